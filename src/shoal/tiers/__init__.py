@@ -1,0 +1,1 @@
+"""Tiers: where bytes live. See :mod:`shoal.tiers.base` for the contract."""
