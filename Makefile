@@ -1,0 +1,34 @@
+# shoal: `make demo` and `make test` set everything up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# torch first, pinned: the CPU wheel on disk; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+
+.PHONY: venv demo test lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[dev,s3]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m shoal.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) benchmarks/stall.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,121 @@
+"""Stall of ``save`` (time to B1) for a large state, against the physical limit and DCP, in one run.
+
+For a state of ``--gib`` GiB (float32 tensors of ``--tensor-mib`` MiB each) it measures:
+  * memcpy: ``copy_`` of every tensor into one pre-faulted buffer (the floor for any staging copy),
+  * shoal: ``Checkpointer.save`` until it returns (B1), on the 2nd and later saves (slabs reused),
+    plus the time each checkpoint took to reach B4 (committed on the shared tier) in the background,
+  * dcp: ``torch.distributed.checkpoint.save`` with ``FileSystemWriter`` (synchronous: its stall is
+    the whole save), to the same disk.
+Prints a Markdown table with ratios. Usage: ``python benchmarks/stall.py --gib 1 --repeats 3``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import shoal
+
+
+def make_state(gib: float, tensor_mib: int) -> dict[str, torch.Tensor]:
+    n = max(1, int(gib * 1024 / tensor_mib))
+    numel = tensor_mib * (1 << 20) // 4
+    return {f"layer{i}.weight": torch.randn(numel) for i in range(n)}
+
+
+def memcpy_seconds(state: dict[str, torch.Tensor], repeats: int) -> list[float]:
+    total = sum(t.numel() for t in state.values())
+    dst = torch.empty(total, dtype=torch.float32)
+    dst.fill_(0)  # pre-fault
+    out = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        pos = 0
+        for t in state.values():
+            dst[pos : pos + t.numel()].copy_(t)
+            pos += t.numel()
+        out.append(time.perf_counter() - t0)
+    return out[1:]
+
+
+def shoal_seconds(state: dict[str, torch.Tensor], root: str, dram: str, repeats: int) -> tuple[list[float], list[float], float]:
+    cfg = shoal.Config(shared=os.path.join(root, "shoal-shared"), local=os.path.join(root, "local"), dram=dram, job="bench", keep_last=2)
+    b1, b4 = [], []
+    with shoal.Checkpointer(cfg) as ckpt:
+        first = None
+        for step in range(repeats + 1):
+            for t in state.values():
+                t[0] += 1.0  # every save has new bytes in every tensor (no dedup shortcut)
+            t0 = time.perf_counter()
+            h = ckpt.save(step, state)
+            stall = time.perf_counter() - t0
+            h.wait(shoal.Boundary.RESTARTABLE, timeout=600)
+            if first is None:
+                first = stall
+                continue
+            b1.append(stall)
+            b4.append(h.times[shoal.Boundary.RESTARTABLE])
+    assert first is not None
+    return b1, b4, first
+
+
+def dcp_seconds(state: dict[str, torch.Tensor], root: str, repeats: int) -> list[float]:
+    out = []
+    for step in range(repeats):
+        path = os.path.join(root, f"dcp-{step}")
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+        out.append(time.perf_counter() - t0)
+        shutil.rmtree(path)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--tensor-mib", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--root", default=None, help="directory for shared-tier and DCP output (default: a temp dir)")
+    args = parser.parse_args()
+    state = make_state(args.gib, args.tensor_mib)
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    root = args.root or tempfile.mkdtemp(prefix="shoal-bench-")
+    dram = tempfile.mkdtemp(prefix="shoal-bench-dram-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        mem = memcpy_seconds(state, args.repeats)
+        b1, b4, first = shoal_seconds(state, root, dram, args.repeats)
+        base = dcp_seconds(state, root, args.repeats)
+    finally:
+        shutil.rmtree(dram, ignore_errors=True)
+        if args.root is None:
+            shutil.rmtree(root, ignore_errors=True)
+    gib = nbytes / 2**30
+    med = statistics.median
+    rows = [
+        ("memcpy into pre-faulted memory", med(mem)),
+        ("shoal save() stall (to B1), saves 2+", med(b1)),
+        ("shoal time to B4 (background, committed)", med(b4)),
+        ("dcp.save + FileSystemWriter (stall = whole save)", med(base)),
+    ]
+    print(f"state: {len(state)} float32 tensors, {gib:.2f} GiB; median of {args.repeats} runs "
+          f"(shoal's first save, slabs being created: {first:.3f} s)\n")
+    print("| what | seconds | GiB/s | x memcpy | dcp.save / this |")
+    print("|---|---:|---:|---:|---:|")
+    for name, s in rows:
+        print(f"| {name} | {s:.3f} | {gib / s:.2f} | {s / med(mem):.2f} | {med(base) / s:.1f} |")
+    print(f"\nraw: memcpy {[round(x, 3) for x in mem]}, shoal B1 {[round(x, 3) for x in b1]}, "
+          f"shoal B4 {[round(x, 3) for x in b4]}, dcp {[round(x, 3) for x in base]}")
+
+
+if __name__ == "__main__":
+    main()

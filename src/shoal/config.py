@@ -1,0 +1,111 @@
+"""``shoal.Config``: one frozen dataclass; environment overrides are read here and only here."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from shoal.errors import ConfigError, InvalidName
+from shoal.format.chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from shoal.format.names import check_identifier
+
+PATHS = ("auto", "partner", "direct")
+ON_BUSY = ("wait", "skip")
+ENV_HOST_ID = "SHOAL_HOST_ID"
+
+
+def default_local_root() -> str:
+    return os.path.join(tempfile.gettempdir(), "shoal-local")
+
+
+def _sanitize_host(name: str) -> str:
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in name).strip("-.") or "host"
+    return cleaned[:128]
+
+
+@dataclass(frozen=True)
+class Config:
+    """Where a job's checkpoints go and how they move.
+
+    Args:
+        shared: root on shared storage: a path (``/lustre/run``) or an fsspec URL
+            (``s3://bucket/run``). Checkpoints live under ``<shared>/<job>/``.
+        local: node-local disk root (partner copies, the event log). Defaults to
+            ``<tmp>/shoal-local``.
+        dram: host-memory root for staging slabs, normally under ``/dev/shm``.
+        job: job name; one directory level under every root.
+        chunk_size: dedup and hashing granularity in bytes (default 4 MiB).
+        path: ``"auto"``, ``"partner"`` or ``"direct"``; how checkpoints reach shared storage.
+        keep_last: how many committed checkpoints retention keeps (``None``: keep all).
+        dram_slots: how many checkpoints may be staged or in flight at once.
+        on_busy: when every slot is in flight, ``"wait"`` (back-pressure, counted as
+            stall) or ``"skip"`` (the save returns a skipped handle).
+        hash_threads: BLAKE3 threads per rank (0: automatic).
+        host_id: this host's name; defaults to ``$SHOAL_HOST_ID`` or the hostname.
+        storage_options: passed to fsspec for the shared tier (endpoint, credentials).
+        event_log: JSON-lines event log path; defaults to ``<local>/<job>/<host>/events.jsonl``.
+        close_timeout: seconds ``close()`` (and interpreter exit) waits for in-flight work.
+    """
+
+    shared: str
+    local: str | None = None
+    dram: str = "/dev/shm/shoal"
+    job: str = "default"
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    path: str = "auto"
+    keep_last: int | None = 3
+    dram_slots: int = 2
+    on_busy: str = "wait"
+    hash_threads: int = 0
+    host_id: str | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    event_log: str | None = None
+    ranks_per_node: int | None = None
+    close_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shared, str) or not self.shared:
+            raise ConfigError(f"Config.shared must be a non-empty path or URL, got {self.shared!r}")
+        try:
+            check_identifier(self.job, "Config.job")
+            if self.host_id is not None:
+                check_identifier(self.host_id, "Config.host_id")
+        except InvalidName as e:
+            raise ConfigError(str(e)) from e
+        if not isinstance(self.chunk_size, int) or not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
+            raise ConfigError(
+                f"Config.chunk_size must be an int in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}], got {self.chunk_size!r}"
+            )
+        if self.path not in PATHS:
+            raise ConfigError(f"Config.path must be one of {PATHS}, got {self.path!r}")
+        if self.on_busy not in ON_BUSY:
+            raise ConfigError(f"Config.on_busy must be one of {ON_BUSY}, got {self.on_busy!r}")
+        if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
+            raise ConfigError(f"Config.keep_last must be None or an int >= 1, got {self.keep_last!r}")
+        if not isinstance(self.dram_slots, int) or self.dram_slots < 1:
+            raise ConfigError(f"Config.dram_slots must be an int >= 1, got {self.dram_slots!r}")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ConfigError(f"Config.ranks_per_node must be >= 1, got {self.ranks_per_node!r}")
+
+    def resolved(self) -> Config:
+        """A copy with every default filled in from the environment (``SHOAL_HOST_ID``, hostname)."""
+        host = self.host_id or os.environ.get(ENV_HOST_ID) or _sanitize_host(socket.gethostname())
+        local = self.local or default_local_root()
+        log = self.event_log or os.path.join(local, self.job, host, "events.jsonl")
+        try:
+            check_identifier(host, f"host id (from ${ENV_HOST_ID} or the hostname)")
+        except InvalidName as e:
+            raise ConfigError(str(e)) from e
+        return replace(self, host_id=host, local=local, event_log=log)
+
+    def shared_url(self) -> str:
+        return f"{self.shared.rstrip('/')}/{self.job}"
+
+    def host_url(self, root: str) -> str:
+        if self.host_id is None:
+            raise ConfigError("Config.host_id is not resolved; call Config.resolved() first")
+        return os.path.join(root, self.job, self.host_id)

@@ -1,0 +1,274 @@
+"""shoal under PyTorch Distributed Checkpoint: ``StorageWriter``, ``StorageReader``, ``SavePlanner``.
+
+DCP's planner decides *what* is written; these classes decide *where* the bytes go.
+``StorageWriter`` stages every write item into the rank's DRAM slab (B1) and hands
+the checkpoint to the background pipeline; ``StorageReader`` serves reads from the
+checkpoint's manifest, verifying every chunk's BLAKE3 digest before the bytes reach
+the state dict. Resharding (loading at another layout) works because reads are
+expressed as DCP's offsets and lengths into saved items::
+
+    import torch.distributed.checkpoint as dcp
+    writer = shoal.dcp.StorageWriter(ckpt, step=100)
+    dcp.save(state_dict, storage_writer=writer, planner=shoal.dcp.SavePlanner())
+    writer.handle.wait(shoal.Boundary.RESTARTABLE)
+    dcp.load(state_dict, storage_reader=shoal.dcp.StorageReader(ckpt, step=100))
+
+Collective contract (DCP's own): every rank constructs one writer (reader) for
+the same step and calls ``dcp.save`` (``dcp.load``); the coordinator alone calls
+``finish``. Each writer is used for exactly one save.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import time
+from collections import defaultdict
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
+from torch.distributed.checkpoint import StorageWriter as _DcpStorageWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from shoal.engine.handle import SaveHandle
+from shoal.engine.stager import StageEntry
+from shoal.engine.store import ItemReader
+from shoal.errors import FormatError
+from shoal.format.dcp_codec import decode_metadata
+from shoal.format.manifest import ItemRecord, Manifest
+from shoal.format.names import check_item_key
+
+if TYPE_CHECKING:
+    from shoal.checkpointer import Checkpointer
+
+__all__ = ["SavePlanner", "StorageReader", "StorageWriter", "item_key"]
+
+
+def item_key(index: MetadataIndex, *, sharded: bool) -> str:
+    """The shoal item key of a DCP write item: its FQN, plus ``@<offsets>`` for a tensor shard.
+
+    >>> item_key(MetadataIndex("w", torch.Size([4, 0])), sharded=True)
+    'w@4_0'
+    """
+    key = index.fqn if not sharded or index.offset is None else f"{index.fqn}@{'_'.join(map(str, index.offset))}"
+    return check_item_key(key)
+
+
+def _is_shard(item: WriteItem) -> bool:
+    td = item.tensor_data
+    if td is None:
+        return False
+    return any(o != 0 for o in td.chunk.offsets) or tuple(td.chunk.sizes) != tuple(td.size)
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, shoal's entry point for placement.
+
+    On one host it plans exactly like :class:`DefaultSavePlanner` (replicated items
+    are written once, by the lowest rank holding them). It is the seam where
+    group save balances name-replicated items across hosts' storage paths.
+    """
+
+
+class StorageWriter(_DcpStorageWriter):
+    """Writes one checkpoint (``step``) of ``checkpointer`` through DCP.
+
+    ``write_data`` (every rank) stages its items into the rank's DRAM slab and
+    returns; ``finish`` (coordinator) records DCP's metadata and hands the
+    checkpoint to the background pipeline, which reaches B3 and B4 later.
+    After ``dcp.save`` returns, :attr:`handle` tracks the checkpoint.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, step: int, *, _started: float | None = None) -> None:
+        super().__init__()
+        self.checkpointer = checkpointer
+        self.step = step
+        self._started = time.perf_counter() if _started is None else _started
+        self._handle: SaveHandle | None = None
+        self._staged: Any = None
+        self.is_coordinator = True
+
+    @property
+    def handle(self) -> SaveHandle:
+        """The checkpoint's :class:`SaveHandle` (available once ``write_data`` ran)."""
+        if self._handle is None:
+            raise RuntimeError(f"step {self.step}: the writer has not been used by dcp.save yet")
+        return self._handle
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            raise ValueError(
+                "shoal.dcp.StorageWriter is addressed by (Checkpointer, step); call dcp.save without "
+                f"checkpoint_id (got {checkpoint_id!r})"
+            )
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
+        entries: list[StageEntry] = []
+        results: list[WriteResult] = []
+        for item in plan.items:
+            key = item_key(item.index, sharded=_is_shard(item))
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                payload: Any = data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)
+            else:
+                payload = data.detach() if isinstance(data, torch.Tensor) else data
+                if not isinstance(payload, torch.Tensor):
+                    raise TypeError(f"item {key!r}: the planner resolved a {type(data).__name__}, not a tensor")
+            entries.append(StageEntry(key, payload))
+        self._handle, staged = self.checkpointer._stage(self.step, entries, started=self._started)
+        self._staged = staged
+        sizes = {s.key: s.nbytes for s in staged} if staged is not None else {}
+        for item, entry in zip(plan.items, entries, strict=True):
+            results.append(WriteResult(index=item.index, size_in_bytes=sizes.get(entry.key, 0), storage_data=entry.key))
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
+        self.checkpointer._submit(self.handle, metadata)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+
+def _dtype(name: str | None, key: str) -> torch.dtype:
+    dtype = getattr(torch, name or "", None)
+    if not isinstance(dtype, torch.dtype):
+        raise FormatError(f"item {key!r}: {name!r} is not a torch dtype known to this torch")
+    return dtype
+
+
+def _writable_view(tensor: torch.Tensor) -> memoryview | None:
+    """A byte view of a contiguous CPU tensor's memory, or None if it has no such view."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
+        return None
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+class StorageReader(_DcpStorageReader):
+    """Reads checkpoint ``step`` (None: the newest committed) of ``checkpointer`` through DCP.
+
+    Every rank reads the items its load plan names; each chunk is verified
+    against its BLAKE3 digest before any of its bytes reach the state dict.
+    After ``dcp.load`` returns, :attr:`step` is the step that was loaded.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, step: int | None = None) -> None:
+        super().__init__()
+        self.checkpointer = checkpointer
+        self.step = step
+        self._manifest: Manifest | None = None
+        self.bytes_read = 0
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            raise ValueError(
+                "shoal.dcp.StorageReader is addressed by (Checkpointer, step); call dcp.load without "
+                f"checkpoint_id (got {checkpoint_id!r})"
+            )
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        manifest = self.checkpointer._resolve_manifest(self.step)
+        if manifest.dcp is None:
+            raise FormatError(f"step {manifest.step} was not saved through DCP: its manifest has no DCP metadata")
+        self._manifest = manifest
+        self.step = manifest.step
+        return decode_metadata(manifest.dcp)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        manifest = self._manifest
+        if manifest is None:
+            raise RuntimeError("read_data before read_metadata")
+        storage = self._metadata.storage_data or {}
+        groups: dict[str, list[ReadItem]] = defaultdict(list)
+        for ri in plan.items:
+            key = storage.get(ri.storage_index)
+            if not isinstance(key, str) or key not in manifest.items:
+                raise FormatError(
+                    f"step {manifest.step}: DCP item {ri.storage_index.fqn!r} (offset {ri.storage_index.offset}) "
+                    f"has no stored item in the manifest (storage key {key!r})"
+                )
+            groups[key].append(ri)
+        reader = ItemReader(self.checkpointer.shared, manifest)
+        for key, items in groups.items():
+            _read_item(reader, manifest.items[key], items, planner)
+        self.bytes_read += reader.bytes_read
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+
+def _read_item(reader: ItemReader, rec: ItemRecord, items: list[ReadItem], planner: LoadPlanner) -> None:
+    """Serve every read of one stored item, reading (and verifying) its bytes at most once."""
+    if rec.kind == "bytes":
+        data = reader.read(rec.key)
+        for ri in items:
+            planner.load_bytes(ri, io.BytesIO(data))
+        return
+    dtype = _dtype(rec.dtype, rec.key)
+    shape = tuple(rec.shape or ())
+    whole: torch.Tensor | None = None
+    for ri in items:
+        target = planner.resolve_tensor(ri).detach()
+        full = all(o == 0 for o in ri.storage_offsets) and tuple(ri.lengths) == shape
+        view = _writable_view(target) if full and whole is None else None
+        if view is not None and target.dtype == dtype and view.nbytes == rec.nbytes:
+            reader.read_into(rec.key, view)
+        else:
+            if whole is None:
+                whole = _load_whole(reader, rec, dtype, shape)
+            src = whole
+            for dim, (off, n) in enumerate(zip(ri.storage_offsets, ri.lengths, strict=True)):
+                src = src.narrow(dim, off, n)
+            if tuple(target.shape) != tuple(src.shape):
+                src = src.reshape(target.shape)
+            target.copy_(src)
+        planner.commit_tensor(ri, target)
+
+
+def _load_whole(reader: ItemReader, rec: ItemRecord, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype)
+    view = _writable_view(out)
+    if view is not None:
+        reader.read_into(rec.key, view)
+    elif rec.nbytes:
+        raise FormatError(f"item {rec.key!r}: {rec.nbytes} bytes but shape {shape} holds none")
+    return out

@@ -1,0 +1,69 @@
+"""The catalog of chunks already durable on a tier, for incremental saves.
+
+Built from the manifests of the committed checkpoints retained on the tier; a
+chunk found here is not written again: the new manifest points at the pack that
+already holds it. The catalog is updated after each commit and pruned after
+each retention pass, by the one pipeline thread that owns it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from shoal.boundary import Boundary
+from shoal.format import layout
+from shoal.format.manifest import ChunkLocation, Manifest, PackRecord
+from shoal.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChunkCatalog:
+    """Digest -> where the chunk lies on one tier, and the records of the packs involved."""
+
+    locations: dict[str, ChunkLocation] = field(default_factory=dict)
+    packs: dict[str, PackRecord] = field(default_factory=dict)
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self.locations
+
+    def __len__(self) -> int:
+        return len(self.locations)
+
+    def add_manifest(self, manifest: Manifest) -> None:
+        """Record every chunk ``manifest`` references (it must be committed on this catalog's tier)."""
+        for digest, loc in manifest.locations.items():
+            self.locations.setdefault(digest, loc)
+        for pid, rec in manifest.packs.items():
+            self.packs.setdefault(pid, rec)
+
+    def drop_packs(self, pack_ids: Iterable[str]) -> None:
+        """Forget packs that retention deleted, and every chunk that lay in them."""
+        gone = set(pack_ids)
+        if not gone:
+            return
+        for pid in gone:
+            self.packs.pop(pid, None)
+        self.locations = {d: loc for d, loc in self.locations.items() if loc.pack not in gone}
+
+    @classmethod
+    def scan(cls, tier: Tier) -> ChunkCatalog:
+        """Build the catalog from every committed, readable checkpoint on ``tier``.
+
+        Packs that are referenced but missing are left out (with a warning), so a new
+        checkpoint never points at bytes that are not there.
+        """
+        from shoal.engine.store import list_checkpoints
+
+        cat = cls()
+        for info in list_checkpoints(tier):
+            if info.boundary == Boundary.RESTARTABLE and info.manifest is not None:
+                cat.add_manifest(info.manifest)
+        missing = [pid for pid in cat.packs if not tier.exists(layout.pack_path(pid))]
+        if missing:
+            log.warning("catalog of %s: %d referenced packs are missing: %s", tier.url, len(missing), missing)
+            cat.drop_packs(missing)
+        return cat

@@ -1,0 +1,192 @@
+"""The stager: copies a rank's items into a pre-faulted, reused DRAM slab (the only part training waits for).
+
+A rank owns a ring of ``dram_slots`` slots; each slot is one slab in the DRAM
+tier, mapped once and reused by every later checkpoint staged into it. A slot
+is *in flight* from staging until the pipeline is done with it; a save never
+stages into an in-flight slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from shoal.format.names import check_item_key
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64
+"""Items start on 64-byte boundaries, enough for every dtype view and for cache lines."""
+
+
+class SlabLike(Protocol):
+    capacity: int
+
+    @property
+    def buffer(self) -> memoryview: ...
+
+    def ensure(self, nbytes: int) -> None: ...
+
+
+class SlabSource(Protocol):
+    def open_slab(self, name: str, nbytes: int) -> SlabLike: ...
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    """One item to stage: a tensor (any device, any strides) or opaque bytes."""
+
+    key: str
+    payload: torch.Tensor | bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class StagedItem:
+    key: str
+    kind: str
+    nbytes: int
+    offset: int
+    rank: int
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+@dataclass(eq=False)
+class Slot:
+    """One slab of the ring and the checkpoint staged in it."""
+
+    index: int
+    name: str
+    slab: SlabLike | None = None
+    step: int | None = None
+    in_flight: bool = False
+    items: list[StagedItem] = field(default_factory=list)
+
+    def view(self, item: StagedItem) -> memoryview:
+        assert self.slab is not None
+        return self.slab.buffer[item.offset : item.offset + item.nbytes]
+
+
+def _nbytes(payload: torch.Tensor | bytes | bytearray | memoryview) -> int:
+    if isinstance(payload, torch.Tensor):
+        return payload.numel() * payload.element_size()
+    return memoryview(payload).nbytes
+
+
+def _round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def layout(entries: Sequence[StageEntry]) -> tuple[list[int], int]:
+    """Offsets of each entry in the slab and the total bytes needed."""
+    offsets, pos = [], 0
+    for e in entries:
+        offsets.append(pos)
+        pos = _round_up(pos + _nbytes(e.payload))
+    return offsets, pos
+
+
+def _copy_tensor(buffer: memoryview, offset: int, tensor: torch.Tensor) -> None:
+    n = tensor.numel() * tensor.element_size()
+    if n == 0:
+        return
+    dst = torch.frombuffer(buffer, dtype=torch.uint8, count=n, offset=offset)
+    with torch.no_grad():
+        dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+    del dst
+
+
+def stage_into(slot: Slot, dram: SlabSource, entries: Sequence[StageEntry], *, rank: int) -> list[StagedItem]:
+    """Copy ``entries`` into ``slot``'s slab (growing it if the state grew); return what was staged."""
+    seen: set[str] = set()
+    for e in entries:
+        check_item_key(e.key)
+        if e.key in seen:
+            raise ValueError(f"item key {e.key!r} appears twice in one checkpoint")
+        seen.add(e.key)
+    offsets, total = layout(entries)
+    if slot.slab is None:
+        slot.slab = dram.open_slab(slot.name, max(total, ALIGN))
+    elif slot.slab.capacity < total:
+        slot.slab.ensure(total + total // 16)
+    buffer = slot.slab.buffer
+    staged = []
+    for e, off in zip(entries, offsets, strict=True):
+        p = e.payload
+        if isinstance(p, torch.Tensor):
+            if p.is_sparse or p.layout != torch.strided:
+                raise TypeError(f"item {e.key!r}: only strided (dense) tensors can be staged, got {p.layout}")
+            _copy_tensor(buffer, off, p)
+            staged.append(
+                StagedItem(e.key, "tensor", _nbytes(p), off, rank, dtype_name(p.dtype), tuple(p.shape))
+            )
+        else:
+            view = memoryview(p).cast("B")
+            buffer[off : off + view.nbytes] = view
+            staged.append(StagedItem(e.key, "bytes", view.nbytes, off, rank))
+    del buffer
+    slot.items = staged
+    return staged
+
+
+class SlotRing:
+    """The ring of DRAM slots of one rank. Thread-safe: the pipeline releases, the trainer acquires."""
+
+    def __init__(self, dram: SlabSource, count: int, *, prefix: str) -> None:
+        self._dram = dram
+        self._slots = [Slot(i, f"{prefix}slot-{i}") for i in range(count)]
+        self._cond = threading.Condition()
+        self._next = 0
+
+    @property
+    def slots(self) -> list[Slot]:
+        return list(self._slots)
+
+    def acquire(self, step: int, *, wait: bool, timeout: float | None = None) -> tuple[Slot | None, float]:
+        """Take a free slot for ``step``; return it (None if skipped or timed out) and seconds waited."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while True:
+                for k in range(len(self._slots)):
+                    slot = self._slots[(self._next + k) % len(self._slots)]
+                    if not slot.in_flight:
+                        self._next = (slot.index + 1) % len(self._slots)
+                        slot.in_flight = True
+                        slot.step = step
+                        slot.items = []
+                        return slot, time.perf_counter() - t0
+                if not wait:
+                    return None, time.perf_counter() - t0
+                remaining = None if timeout is None else timeout - (time.perf_counter() - t0)
+                if remaining is not None and remaining <= 0:
+                    return None, time.perf_counter() - t0
+                self._cond.wait(remaining)
+
+    def release(self, slot: Slot) -> None:
+        with self._cond:
+            slot.in_flight = False
+            self._cond.notify_all()
+
+    def in_flight_steps(self) -> list[int]:
+        with self._cond:
+            return [s.step for s in self._slots if s.in_flight and s.step is not None]
+
+    def close(self) -> None:
+        """Unmap every slab (the ring must not be used afterwards)."""
+        with self._cond:
+            for slot in self._slots:
+                close = getattr(slot.slab, "close", None)
+                if close is not None:
+                    close()
+                slot.slab = None

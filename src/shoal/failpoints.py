@@ -1,0 +1,73 @@
+"""Failpoints: named places in the pipeline where tests inject faults (DESIGN.md section 9).
+
+``SHOAL_FAILPOINTS="pipeline.before_commit=raise;stage.after_copy=delay:0.5@rank:1"``
+arms points by name; each entry is ``name=action[:arg][@rank:N]`` with actions
+``raise`` (an :class:`InjectedFault`, an ``OSError``), ``delay:<seconds>`` and ``kill``
+(SIGKILL of the process). With the variable unset, :func:`hit` is one dict lookup.
+The environment is read once, at import; tests call :func:`configure` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+ENV = "SHOAL_FAILPOINTS"
+
+
+class InjectedFault(OSError):
+    """The error a ``raise`` failpoint throws (an OSError, like the I/O faults it stands for)."""
+
+
+@dataclass(frozen=True)
+class _Action:
+    kind: str
+    arg: float = 0.0
+    rank: int | None = None
+
+
+_armed: dict[str, _Action] = {}
+
+
+def parse(spec: str) -> dict[str, _Action]:
+    """Parse a ``SHOAL_FAILPOINTS`` value; raise ValueError naming the bad entry."""
+    out: dict[str, _Action] = {}
+    for entry in filter(None, (e.strip() for e in spec.split(";"))):
+        name, sep, action = entry.partition("=")
+        if not sep or not name:
+            raise ValueError(f"{ENV}: entry {entry!r} is not 'name=action'")
+        rank = None
+        if "@rank:" in action:
+            action, _, r = action.partition("@rank:")
+            rank = int(r)
+        kind, _, arg = action.partition(":")
+        if kind not in ("raise", "delay", "kill"):
+            raise ValueError(f"{ENV}: entry {entry!r}: action must be raise, delay:<s> or kill")
+        out[name.strip()] = _Action(kind, float(arg) if arg else 0.0, rank)
+    return out
+
+
+def configure(spec: str | None) -> None:
+    """Arm the failpoints of ``spec`` (replacing any armed before); None or "" disarms all."""
+    global _armed
+    _armed = parse(spec) if spec else {}
+
+
+def hit(name: str, *, rank: int = 0) -> None:
+    """Run the action armed at ``name`` for ``rank``, if any."""
+    if not _armed:
+        return
+    action = _armed.get(name)
+    if action is None or (action.rank is not None and action.rank != rank):
+        return
+    if action.kind == "delay":
+        time.sleep(action.arg)
+    elif action.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        raise InjectedFault(f"failpoint {name} (rank {rank})")
+
+
+configure(os.environ.get(ENV))

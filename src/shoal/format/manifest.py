@@ -1,0 +1,329 @@
+"""The manifest: the self-describing JSON record of one checkpoint on one tier.
+
+It names every item, the digests of the item's chunks, where each chunk lies on
+this tier (pack, offset, length), the packs it needs, the DCP metadata (encoded
+field by field by :mod:`shoal.format.dcp_codec`), and counters. The reader
+validates schema, sizes and names and refuses newer major formats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.errors import FormatError, UnsupportedFormat
+from shoal.format.chunking import HASH_NAME, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from shoal.format.layout import check_step
+from shoal.format.names import check_digest, check_identifier, check_item_key
+
+FORMAT_NAME = "shoal"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+FORMAT = f"{FORMAT_NAME}/{FORMAT_MAJOR}"
+_FORMAT_RE = re.compile(r"shoal/(\d+)(?:\.(\d+))?")
+ITEM_KINDS = ("tensor", "bytes")
+_DTYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+@dataclass(frozen=True)
+class ItemRecord:
+    """One item: a tensor (or tensor shard) stored as raw C-order bytes, or opaque bytes."""
+
+    key: str
+    rank: int
+    kind: str
+    nbytes: int
+    chunks: tuple[str, ...]
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ChunkLocation:
+    pack: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PackRecord:
+    size: int
+    blake3: str
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    size: int = 1
+    hosts: tuple[str, ...] = ()
+    ranks_per_node: int = 1
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Counters for ``shoal ls``: bytes the state holds, unique bytes, bytes this step wrote."""
+
+    logical_bytes: int = 0
+    unique_bytes: int = 0
+    written_bytes: int = 0
+
+    @property
+    def dedup_ratio(self) -> float:
+        """Logical bytes per byte written (inf when nothing new was written)."""
+        if self.written_bytes == 0:
+            return math.inf if self.logical_bytes else 1.0
+        return self.logical_bytes / self.written_bytes
+
+
+@dataclass(frozen=True)
+class Manifest:
+    job: str
+    step: int
+    created: float
+    chunk_size: int
+    items: Mapping[str, ItemRecord]
+    locations: Mapping[str, ChunkLocation]
+    packs: Mapping[str, PackRecord]
+    world: WorldInfo = field(default_factory=WorldInfo)
+    dcp: Mapping[str, Any] | None = None
+    stats: Stats = field(default_factory=Stats)
+    shoal_version: str = "0"
+    hash: str = HASH_NAME
+
+    def encode(self) -> bytes:
+        """JSON bytes of this manifest (format ``shoal/1``)."""
+        doc: dict[str, Any] = {
+            "format": f"{FORMAT}.{FORMAT_MINOR}",
+            "job": self.job,
+            "step": self.step,
+            "created": self.created,
+            "chunk_size": self.chunk_size,
+            "hash": self.hash,
+            "shoal_version": self.shoal_version,
+            "world": {
+                "size": self.world.size,
+                "hosts": list(self.world.hosts),
+                "ranks_per_node": self.world.ranks_per_node,
+            },
+            "stats": {
+                "logical_bytes": self.stats.logical_bytes,
+                "unique_bytes": self.stats.unique_bytes,
+                "written_bytes": self.stats.written_bytes,
+            },
+            "items": {
+                k: {
+                    "rank": r.rank,
+                    "kind": r.kind,
+                    "dtype": r.dtype,
+                    "shape": None if r.shape is None else list(r.shape),
+                    "nbytes": r.nbytes,
+                    "chunks": list(r.chunks),
+                }
+                for k, r in self.items.items()
+            },
+            "packs": {p: {"size": r.size, "blake3": r.blake3} for p, r in self.packs.items()},
+            "locations": {d: [loc.pack, loc.offset, loc.length] for d, loc in self.locations.items()},
+            "dcp": self.dcp,
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    def chunk_spans(self, key: str) -> list[tuple[str, int, int]]:
+        """``(digest, offset in item, length)`` for each chunk of item ``key``."""
+        rec = self.items[key]
+        return [(d, i * self.chunk_size, self.locations[d].length) for i, d in enumerate(rec.chunks)]
+
+
+class _Reader:
+    """Field accessors that name the manifest and the field in every error."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, field_path: str, msg: str) -> FormatError:
+        return FormatError(f"manifest {self.where}: {field_path}: {msg}")
+
+    def get(self, obj: Mapping[str, Any], key: str, path: str) -> Any:
+        if key not in obj:
+            raise self.fail(f"{path}{key}", "missing")
+        return obj[key]
+
+    def int(self, value: Any, path: str, *, minimum: int = 0) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.fail(path, f"expected an int >= {minimum}, got {value!r}")
+        return value
+
+    def str(self, value: Any, path: str) -> str:
+        if not isinstance(value, str):
+            raise self.fail(path, f"expected a string, got {value!r}")
+        return value
+
+    def obj(self, value: Any, path: str) -> Mapping[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(path, f"expected an object, got {type(value).__name__}")
+        return value
+
+    def list(self, value: Any, path: str) -> list[Any]:
+        if not isinstance(value, list):
+            raise self.fail(path, f"expected a list, got {type(value).__name__}")
+        return value
+
+    def checked(self, check: Any, value: Any, path: str, *args: Any) -> Any:
+        try:
+            return check(value, *args)
+        except ValueError as e:
+            raise self.fail(path, str(e)) from e
+
+
+def check_format(fmt: Any, where: str) -> tuple[int, int]:
+    """Parse a ``shoal/M.m`` format string; refuse a newer major version."""
+    m = _FORMAT_RE.fullmatch(fmt) if isinstance(fmt, str) else None
+    if m is None:
+        raise FormatError(f"manifest {where}: format is {fmt!r}, expected 'shoal/<major>.<minor>'")
+    major, minor = int(m.group(1)), int(m.group(2) or 0)
+    if major > FORMAT_MAJOR:
+        raise UnsupportedFormat(
+            f"manifest {where} is format {fmt}, newer than this shoal reads ({FORMAT}.x); upgrade shoal"
+        )
+    if major < 1:
+        raise FormatError(f"manifest {where}: unknown format {fmt!r}")
+    return major, minor
+
+
+def decode_manifest(data: bytes, where: str) -> Manifest:
+    """Parse and validate manifest bytes; ``where`` (tier url and path) appears in every error."""
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"manifest {where} is not valid JSON (truncated or corrupted?): {e}") from e
+    r = _Reader(where)
+    doc = r.obj(doc, "top level")
+    check_format(doc.get("format"), where)
+    job = r.checked(check_identifier, r.get(doc, "job", ""), "job", "job")
+    step = r.checked(check_step, r.get(doc, "step", ""), "step")
+    created = r.get(doc, "created", "")
+    if isinstance(created, bool) or not isinstance(created, int | float):
+        raise r.fail("created", f"expected a number, got {created!r}")
+    chunk_size = r.int(r.get(doc, "chunk_size", ""), "chunk_size", minimum=1)
+    if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
+        raise r.fail("chunk_size", f"{chunk_size} is outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
+    hash_name = r.get(doc, "hash", "")
+    if hash_name != HASH_NAME:
+        raise r.fail("hash", f"{hash_name!r} is not supported (only {HASH_NAME!r})")
+
+    packs: dict[str, PackRecord] = {}
+    for pid, prec in r.obj(r.get(doc, "packs", ""), "packs").items():
+        r.checked(check_identifier, pid, f"packs[{pid!r}]", "pack id")
+        prec = r.obj(prec, f"packs[{pid!r}]")
+        size = r.int(r.get(prec, "size", f"packs[{pid!r}]."), f"packs[{pid!r}].size")
+        pdig = r.checked(check_digest, r.get(prec, "blake3", f"packs[{pid!r}]."), f"packs[{pid!r}].blake3")
+        packs[pid] = PackRecord(size, pdig)
+
+    locations: dict[str, ChunkLocation] = {}
+    for dig, loc in r.obj(r.get(doc, "locations", ""), "locations").items():
+        at = f"locations[{dig[:16]!r}...]"
+        r.checked(check_digest, dig, at)
+        loc = r.list(loc, at)
+        if len(loc) != 3:
+            raise r.fail(at, f"expected [pack, offset, length], got {loc!r}")
+        pid = r.str(loc[0], f"{at}.pack")
+        if pid not in packs:
+            raise r.fail(f"{at}.pack", f"pack {pid!r} is not listed in 'packs'")
+        off, length = r.int(loc[1], f"{at}.offset"), r.int(loc[2], f"{at}.length")
+        if off + length > packs[pid].size:
+            raise r.fail(at, f"bytes {off}..{off + length} lie past pack {pid!r}'s size {packs[pid].size}")
+        locations[dig] = ChunkLocation(pid, off, length)
+
+    items: dict[str, ItemRecord] = {}
+    for key, rec in r.obj(r.get(doc, "items", ""), "items").items():
+        at = f"items[{key!r}]"
+        r.checked(check_item_key, key, at)
+        rec = r.obj(rec, at)
+        kind = r.get(rec, "kind", f"{at}.")
+        if kind not in ITEM_KINDS:
+            raise r.fail(f"{at}.kind", f"expected one of {ITEM_KINDS}, got {kind!r}")
+        nbytes = r.int(r.get(rec, "nbytes", f"{at}."), f"{at}.nbytes")
+        rank = r.int(r.get(rec, "rank", f"{at}."), f"{at}.rank")
+        dtype = rec.get("dtype")
+        shape_raw = rec.get("shape")
+        shape: tuple[int, ...] | None = None
+        if kind == "tensor":
+            if not isinstance(dtype, str) or not _DTYPE_RE.fullmatch(dtype):
+                raise r.fail(f"{at}.dtype", f"expected a dtype name, got {dtype!r}")
+            shape = tuple(
+                r.int(s, f"{at}.shape[{i}]") for i, s in enumerate(r.list(shape_raw, f"{at}.shape"))
+            )
+        chunks = r.list(r.get(rec, "chunks", f"{at}."), f"{at}.chunks")
+        expected = math.ceil(nbytes / chunk_size)
+        if len(chunks) != expected:
+            raise r.fail(f"{at}.chunks", f"{len(chunks)} chunks for {nbytes} bytes; expected {expected}")
+        for i, d in enumerate(chunks):
+            r.checked(check_digest, d, f"{at}.chunks[{i}]")
+            if d not in locations:
+                raise r.fail(f"{at}.chunks[{i}]", f"chunk {d} has no entry in 'locations'")
+            want = min(chunk_size, nbytes - i * chunk_size)
+            if locations[d].length != want:
+                raise r.fail(
+                    f"{at}.chunks[{i}]",
+                    f"chunk {d} is {locations[d].length} bytes in its pack; expected {want}",
+                )
+        items[key] = ItemRecord(key, rank, kind, nbytes, tuple(chunks), dtype, shape)
+
+    w = r.obj(doc.get("world", {}), "world")
+    hosts = tuple(
+        r.str(h, f"world.hosts[{i}]") for i, h in enumerate(r.list(w.get("hosts", []), "world.hosts"))
+    )
+    world = WorldInfo(
+        r.int(w.get("size", 1), "world.size", minimum=1),
+        hosts,
+        r.int(w.get("ranks_per_node", 1), "world.ranks_per_node", minimum=1),
+    )
+    s = r.obj(doc.get("stats", {}), "stats")
+    stats = Stats(
+        *(r.int(s.get(k, 0), f"stats.{k}") for k in ("logical_bytes", "unique_bytes", "written_bytes"))
+    )
+    dcp = doc.get("dcp")
+    if dcp is not None:
+        dcp = r.obj(dcp, "dcp")
+    version = doc.get("shoal_version", "0")
+    return Manifest(
+        job=job,
+        step=step,
+        created=float(created),
+        chunk_size=chunk_size,
+        items=items,
+        locations=locations,
+        packs=packs,
+        world=world,
+        dcp=dcp,
+        stats=stats,
+        shoal_version=r.str(version, "shoal_version"),
+    )
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """``LATEST`` and ``steps/<step>/COMMIT``: a step and the digest of its manifest."""
+
+    step: int
+    manifest_blake3: str
+
+    def encode(self) -> bytes:
+        return json.dumps({"step": self.step, "manifest_blake3": self.manifest_blake3}).encode()
+
+
+def decode_pointer(data: bytes, where: str) -> Pointer:
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{where} is not valid JSON (truncated or corrupted?): {e}") from e
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: expected a JSON object")
+    try:
+        return Pointer(
+            check_step(doc.get("step")), check_digest(doc.get("manifest_blake3"), "manifest_blake3")
+        )
+    except ValueError as e:
+        raise FormatError(f"{where}: {e}") from e

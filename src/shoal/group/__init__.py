@@ -1,0 +1,1 @@
+"""Group layer: topology, fabric transport and the (pure) save planner."""
