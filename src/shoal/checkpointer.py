@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as torch_dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from shoal.boundary import Boundary
@@ -35,6 +36,23 @@ from shoal.format.manifest import Manifest, WorldInfo
 from shoal.tiers import open_tier
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def _unwrapped_errors() -> Iterator[None]:
+    """Re-raise shoal's own error when DCP wraps it in its ``CheckpointException`` (a BaseException).
+
+    With one failing rank (every failure on one host today) the caller gets the error
+    that rank raised, e.g. :class:`InvalidName` or :class:`InsufficientMemory`.
+    """
+    try:
+        yield
+    except CheckpointException as e:
+        failures = list(e.failures.values())
+        originals = [f[0] if isinstance(f, tuple) else f for f in failures]
+        if originals and all(isinstance(o, Exception) for o in originals):
+            raise originals[0] from None
+        raise
 
 
 @contextmanager
@@ -122,7 +140,7 @@ class Checkpointer:
 
         writer = shoal_dcp.StorageWriter(self, step, _started=started)
         try:
-            with _quiet_no_dist():
+            with _quiet_no_dist(), _unwrapped_errors():
                 torch_dcp.save(
                     dict(state_dict),
                     storage_writer=writer,
@@ -209,10 +227,11 @@ class Checkpointer:
         self._pipeline.flush()
         from shoal import dcp as shoal_dcp
 
-        reader = shoal_dcp.StorageReader(self, step)
+        # Resolved here, not inside dcp.load, so a missing checkpoint raises CheckpointNotFound as itself.
+        reader = shoal_dcp.StorageReader(self, _manifest=self._resolve_manifest(step))
         target = state_dict if isinstance(state_dict, dict) else dict(state_dict)
         t0 = time.perf_counter()
-        with _quiet_no_dist():
+        with _quiet_no_dist(), _unwrapped_errors():
             torch_dcp.load(target, storage_reader=reader, no_dist=self.world_size == 1)
         assert reader.step is not None
         self._events.emit("loaded", reader.step, bytes=reader.bytes_read, seconds=time.perf_counter() - t0)

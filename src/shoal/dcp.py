@@ -25,10 +25,10 @@ import io
 import os
 import time
 from collections import defaultdict
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.futures import Future
 from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
 from torch.distributed.checkpoint import StorageWriter as _DcpStorageWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -178,11 +178,13 @@ class StorageReader(_DcpStorageReader):
     After ``dcp.load`` returns, :attr:`step` is the step that was loaded.
     """
 
-    def __init__(self, checkpointer: Checkpointer, step: int | None = None) -> None:
+    def __init__(
+        self, checkpointer: Checkpointer, step: int | None = None, *, _manifest: Manifest | None = None
+    ) -> None:
         super().__init__()
         self.checkpointer = checkpointer
-        self.step = step
-        self._manifest: Manifest | None = None
+        self.step = step if _manifest is None else _manifest.step
+        self._manifest: Manifest | None = _manifest
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -193,7 +195,7 @@ class StorageReader(_DcpStorageReader):
             )
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        manifest = self.checkpointer._resolve_manifest(self.step)
+        manifest = self._manifest or self.checkpointer._resolve_manifest(self.step)
         if manifest.dcp is None:
             raise FormatError(f"step {manifest.step} was not saved through DCP: its manifest has no DCP metadata")
         self._manifest = manifest

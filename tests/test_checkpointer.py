@@ -1,0 +1,166 @@
+"""Checkpointer on one host: bit-exact round trips, boundaries, incremental saves, retention, events."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import shoal
+from shoal import failpoints
+from shoal.engine.events import read_events
+from shoal.format import layout
+from shoal.testing.checkpoints import assert_state_equal, make_config, pack_bytes_on, rich_state, zeros_like_state
+
+
+@pytest.fixture
+def config(tmp_path, dram_root) -> shoal.Config:
+    return make_config(tmp_path, dram_root)
+
+
+def test_round_trip_is_bit_exact_for_every_dtype_and_shape(config):
+    state = rich_state()
+    with shoal.Checkpointer(config) as ckpt:
+        handle = ckpt.save(1, state)
+        handle.wait(shoal.Boundary.RESTARTABLE, timeout=60)
+        target = zeros_like_state(state)
+        assert ckpt.load(target) == 1
+    assert_state_equal(target, state)
+
+
+def test_save_returns_at_staged_and_boundaries_come_in_order(config):
+    with shoal.Checkpointer(config) as ckpt:
+        handle = ckpt.save(7, {"w": torch.randn(1000)})
+        assert handle.done(shoal.Boundary.STAGED)
+        assert handle.wait(shoal.Boundary.RESTARTABLE, timeout=60) == shoal.Boundary.RESTARTABLE
+        t = handle.times
+        assert list(t) == list(shoal.Boundary)
+        assert t[shoal.Boundary.STAGED] <= t[shoal.Boundary.REPLICATED] <= t[shoal.Boundary.PERSISTED]
+        assert t[shoal.Boundary.PERSISTED] <= t[shoal.Boundary.RESTARTABLE]
+        assert ckpt.latest() == 7
+        assert ckpt.latest(shoal.Boundary.PERSISTED) == 7
+        latest = json.loads(ckpt.shared.read(layout.LATEST))
+        assert latest["step"] == 7
+
+
+def test_state_mutated_after_save_returns_does_not_change_the_checkpoint(config):
+    w = torch.arange(100_000, dtype=torch.float32)
+    expected = w.clone()
+    with shoal.Checkpointer(config) as ckpt:
+        handle = ckpt.save(1, {"w": w})
+        w.add_(1.0)  # training goes on at once
+        handle.wait(timeout=60)
+        out = {"w": torch.zeros_like(w)}
+        ckpt.load(out)
+    assert torch.equal(out["w"], expected)
+
+
+def test_unchanged_state_writes_no_chunk_payload_again(config):
+    state = {"a": torch.randn(300_000), "b": torch.randn(50_000).to(torch.bfloat16), "step": 3}
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(1, state).wait(timeout=60)
+        first = pack_bytes_on(ckpt.shared)
+        assert first >= 300_000 * 4
+        ckpt.save(2, state).wait(timeout=60)
+        assert pack_bytes_on(ckpt.shared) == first
+        manifest = json.loads(ckpt.shared.read(layout.manifest_path(2)))
+        assert manifest["stats"]["written_bytes"] == 0
+        # one changed element rewrites one chunk of one item, nothing else
+        state["a"][5] += 1
+        ckpt.save(3, state).wait(timeout=60)
+        assert pack_bytes_on(ckpt.shared) - first == config.chunk_size
+        for step in (1, 2, 3):
+            out = zeros_like_state(state)
+            ckpt.load(out, step=step)
+        assert_state_equal(out, state)
+
+
+def test_keep_last_deletes_old_checkpoints_but_keeps_every_chunk_retained_ones_need(tmp_path, dram_root):
+    config = make_config(tmp_path, dram_root, keep_last=2)
+    base = torch.randn(200_000)
+    states = {}
+    with shoal.Checkpointer(config) as ckpt:
+        for step in range(1, 6):
+            base[step * 1000] = step  # every step changes one chunk, shares the rest
+            states[step] = {"w": base.clone(), "step": step}
+            ckpt.save(step, states[step]).wait(timeout=60)
+        assert ckpt.wait(timeout=60)  # retention runs after B4, in the background
+        steps = sorted(layout.step_of_path(p) for p in ckpt.shared.list("steps/") if p.endswith("/COMMIT"))
+        assert steps == [4, 5]
+        for step in (4, 5):
+            out = zeros_like_state(states[step])
+            assert ckpt.load(out, step=step) == step
+            assert_state_equal(out, states[step])
+        with pytest.raises(shoal.CheckpointNotFound):
+            ckpt.load(zeros_like_state(states[1]), step=1)
+
+
+def test_saving_an_existing_step_is_refused(config):
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(5, {"w": torch.ones(3)}).wait(timeout=60)
+        with pytest.raises(shoal.CheckpointExists, match="step 5"):
+            ckpt.save(5, {"w": torch.zeros(3)})
+    with shoal.Checkpointer(config) as again, pytest.raises(shoal.CheckpointExists):
+        again.save(5, {"w": torch.zeros(3)})
+
+
+def test_a_new_checkpointer_loads_what_an_earlier_one_committed(config):
+    state = {"w": torch.randn(1000), "meta": {"lr": 0.1, "name": "run"}}
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(10, state)
+    with shoal.Checkpointer(config) as fresh:
+        out = zeros_like_state(state)
+        assert fresh.load(out) == 10
+        assert fresh.latest() == 10
+    assert_state_equal(out, state)
+
+
+def test_load_with_nothing_saved_says_where_it_looked(config):
+    with shoal.Checkpointer(config) as ckpt, pytest.raises(shoal.CheckpointNotFound, match="LATEST"):
+        ckpt.load({"w": torch.zeros(1)})
+
+
+def test_event_log_records_the_timeline(config):
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(1, {"w": torch.randn(10_000)}).wait(timeout=60)
+        path = ckpt.config.event_log
+    assert path is not None and os.path.exists(path)
+    events = [e for e in read_events(path) if e["step"] == 1]
+    names = [e["event"] for e in events]
+    assert names[0] == "save_called"
+    assert [e["boundary"] for e in events if e["event"] == "boundary"] == [
+        "STAGED",
+        "PERSISTED",
+        "RESTARTABLE",
+    ]
+    writes = [e for e in events if e["event"] == "write"]
+    assert {w["what"] for w in writes} >= {"pack", "manifest", "commit", "latest"}
+    pack = next(w for w in writes if w["what"] == "pack")
+    assert pack["bytes"] == 40_000 and pack["writers"] == 1 and pack["seconds"] >= 0
+
+
+def test_skip_when_every_slot_is_in_flight(tmp_path, dram_root):
+    config = make_config(tmp_path, dram_root, dram_slots=1, on_busy="skip")
+    failpoints.configure("pipeline.before_drain=delay:1.0")
+    try:
+        with shoal.Checkpointer(config) as ckpt:
+            first = ckpt.save(1, {"w": torch.ones(10)})
+            second = ckpt.save(2, {"w": torch.ones(10)})
+            assert second.skipped
+            with pytest.raises(shoal.CheckpointFailed, match="skipped"):
+                second.wait(timeout=5)
+            first.wait(timeout=60)
+    finally:
+        failpoints.configure(None)
+
+
+@pytest.fixture
+def dram_root(tmp_path):  # TEMP: moves to conftest
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="shoal-test-", dir="/dev/shm")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
