@@ -46,8 +46,16 @@ def memcpy_seconds(state: dict[str, torch.Tensor], repeats: int) -> list[float]:
     return out[1:]
 
 
-def shoal_seconds(state: dict[str, torch.Tensor], root: str, dram: str, repeats: int) -> tuple[list[float], list[float], float]:
-    cfg = shoal.Config(shared=os.path.join(root, "shoal-shared"), local=os.path.join(root, "local"), dram=dram, job="bench", keep_last=2)
+def shoal_seconds(
+    state: dict[str, torch.Tensor], root: str, dram: str, repeats: int
+) -> tuple[list[float], list[float], float]:
+    cfg = shoal.Config(
+        shared=os.path.join(root, "shoal-shared"),
+        local=os.path.join(root, "local"),
+        dram=dram,
+        job="bench",
+        keep_last=2,
+    )
     b1, b4 = [], []
     with shoal.Checkpointer(cfg) as ckpt:
         first = None
@@ -81,11 +89,15 @@ def dcp_seconds(state: dict[str, torch.Tensor], root: str, repeats: int) -> list
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--tensor-mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--root", default=None, help="directory for shared-tier and DCP output (default: a temp dir)")
+    parser.add_argument(
+        "--root", default=None, help="directory for shared-tier and DCP output (default: a temp dir)"
+    )
     args = parser.parse_args()
     state = make_state(args.gib, args.tensor_mib)
     nbytes = sum(t.numel() * 4 for t in state.values())
@@ -107,14 +119,18 @@ def main() -> None:
         ("shoal time to B4 (background, committed)", med(b4)),
         ("dcp.save + FileSystemWriter (stall = whole save)", med(base)),
     ]
-    print(f"state: {len(state)} float32 tensors, {gib:.2f} GiB; median of {args.repeats} runs "
-          f"(shoal's first save, slabs being created: {first:.3f} s)\n")
+    print(
+        f"state: {len(state)} float32 tensors, {gib:.2f} GiB; median of {args.repeats} runs "
+        f"(shoal's first save, slabs being created: {first:.3f} s)\n"
+    )
     print("| what | seconds | GiB/s | x memcpy | dcp.save / this |")
     print("|---|---:|---:|---:|---:|")
     for name, s in rows:
         print(f"| {name} | {s:.3f} | {gib / s:.2f} | {s / med(mem):.2f} | {med(base) / s:.1f} |")
-    print(f"\nraw: memcpy {[round(x, 3) for x in mem]}, shoal B1 {[round(x, 3) for x in b1]}, "
-          f"shoal B4 {[round(x, 3) for x in b4]}, dcp {[round(x, 3) for x in base]}")
+    print(
+        f"\nraw: memcpy {[round(x, 3) for x in mem]}, shoal B1 {[round(x, 3) for x in b1]}, "
+        f"shoal B4 {[round(x, 3) for x in b4]}, dcp {[round(x, 3) for x in base]}"
+    )
 
 
 if __name__ == "__main__":

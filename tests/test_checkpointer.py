@@ -12,7 +12,13 @@ import shoal
 from shoal import failpoints
 from shoal.engine.events import read_events
 from shoal.format import layout
-from shoal.testing.checkpoints import assert_state_equal, make_config, pack_bytes_on, rich_state, zeros_like_state
+from shoal.testing.checkpoints import (
+    assert_state_equal,
+    make_config,
+    pack_bytes_on,
+    rich_state,
+    zeros_like_state,
+)
 
 
 @pytest.fixture
@@ -154,13 +160,3 @@ def test_skip_when_every_slot_is_in_flight(tmp_path, dram_root):
             first.wait(timeout=60)
     finally:
         failpoints.configure(None)
-
-
-@pytest.fixture
-def dram_root(tmp_path):  # TEMP: moves to conftest
-    import shutil
-    import tempfile
-
-    d = tempfile.mkdtemp(prefix="shoal-test-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import warnings
 
 import pytest
@@ -67,13 +65,16 @@ def test_dtensor_round_trip(config, process_group):
 
 
 def _sharded(full: torch.Tensor, shards: int):
+    from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard as STShard
     from torch.distributed._shard.sharded_tensor import init_from_local_shards
-    from torch.distributed._shard.metadata import ShardMetadata
 
     rows = full.shape[0] // shards
     local = [
-        STShard(full[i * rows : (i + 1) * rows].clone(), ShardMetadata([i * rows, 0], [rows, full.shape[1]], "rank:0/cpu"))
+        STShard(
+            full[i * rows : (i + 1) * rows].clone(),
+            ShardMetadata([i * rows, 0], [rows, full.shape[1]], "rank:0/cpu"),
+        )
         for i in range(shards)
     ]
     return init_from_local_shards(local, list(full.shape))
@@ -82,7 +83,9 @@ def _sharded(full: torch.Tensor, shards: int):
 def test_sharded_tensor_saved_in_shards_loads_into_other_layouts(config, process_group):
     full = torch.randn(48, 16)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", (FutureWarning, DeprecationWarning))  # ShardedTensor is deprecated upstream
+        warnings.simplefilter(
+            "ignore", (FutureWarning, DeprecationWarning)
+        )  # ShardedTensor is deprecated upstream
         state = {"emb": _sharded(full, 2)}
         with shoal.Checkpointer(config) as ckpt:
             ckpt.save(1, state).wait(timeout=60)
@@ -110,10 +113,3 @@ def test_writer_refuses_a_checkpoint_id(config):
         writer = shoal.dcp.StorageWriter(ckpt, step=1)
         with pytest.raises(ValueError, match="checkpoint_id"):
             writer.reset("/some/path")
-
-
-@pytest.fixture
-def dram_root():  # TEMP: moves to conftest
-    d = tempfile.mkdtemp(prefix="shoal-test-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)

@@ -246,12 +246,3 @@ def test_tiers_left_by_a_crashed_writer_do_not_confuse_the_next_job(config):
         assert ckpt.load(out) == 1
         ckpt.save(3, {"w": torch.ones(10) * 3}).wait(timeout=60)
         assert ckpt.load(out) == 3
-
-
-@pytest.fixture
-def dram_root(tmp_path):  # TEMP: moves to conftest
-    import tempfile
-
-    d = tempfile.mkdtemp(prefix="shoal-test-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)

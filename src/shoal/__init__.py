@@ -15,7 +15,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from shoal import dcp
 from shoal.boundary import Boundary
+from shoal.checkpointer import Checkpointer
 from shoal.config import Config
 from shoal.engine.handle import SaveHandle
 from shoal.errors import (
@@ -33,20 +35,6 @@ from shoal.errors import (
     TierError,
     UnsupportedFormat,
 )
-
-
-def __getattr__(name: str) -> object:
-    # Checkpointer and shoal.dcp import torch.distributed.checkpoint: load them on first use.
-    if name == "Checkpointer":
-        from shoal.checkpointer import Checkpointer
-
-        return Checkpointer
-    if name == "dcp":
-        import shoal.dcp as dcp
-
-        return dcp
-    raise AttributeError(f"module 'shoal' has no attribute {name!r}")
-
 
 __all__ = [
     "Boundary",
@@ -67,4 +55,5 @@ __all__ = [
     "TierError",
     "UnsupportedFormat",
     "__version__",
+    "dcp",
 ]

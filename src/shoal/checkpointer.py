@@ -27,7 +27,7 @@ from shoal.config import Config
 from shoal.engine.events import EventLog
 from shoal.engine.handle import SaveHandle
 from shoal.engine.pipeline import Pipeline, SaveJob
-from shoal.engine.stager import Slot, SlotRing, StageEntry, StagedItem, stage_into
+from shoal.engine.stager import Slot, SlotRing, StagedItem, StageEntry, stage_into
 from shoal.engine.store import list_checkpoints, read_pointer, resolve_manifest
 from shoal.errors import CheckpointExists, ConfigError
 from shoal.format import layout
@@ -107,6 +107,7 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._staging: dict[int, tuple[SaveHandle, Slot]] = {}
         self._closed = False
+        self._warmer: threading.Thread | None = None
         atexit.register(self._at_exit)
 
     def __repr__(self) -> str:
@@ -172,7 +173,9 @@ class Checkpointer:
         if slot is None:
             handle = SaveHandle(step, started=started, skipped=True)
             self._events.emit("skipped", step, in_flight=self._ring.in_flight_steps())
-            log.warning("step %d skipped: every DRAM slot is in flight (%s)", step, self._ring.in_flight_steps())
+            log.warning(
+                "step %d skipped: every DRAM slot is in flight (%s)", step, self._ring.in_flight_steps()
+            )
             return handle, None
         handle = SaveHandle(step, started=started)
         try:
@@ -182,8 +185,21 @@ class Checkpointer:
             raise
         with self._lock:
             self._staging[step] = (handle, slot)
+        self._warm_other_slots(slot)
         self._events.emit("staged", step, bytes=sum(s.nbytes for s in staged), wait_seconds=waited)
         return handle, staged
+
+    def _warm_other_slots(self, slot: Slot) -> None:
+        """Pre-fault the ring's other slabs in the background, sized like the one just used."""
+        assert slot.slab is not None
+        size = slot.slab.capacity
+        if self._warmer is not None and self._warmer.is_alive():
+            return
+        if self._ring.needs_warming(size):
+            self._warmer = threading.Thread(
+                target=self._ring.warm, args=(size,), name="shoal-warm", daemon=True
+            )
+            self._warmer.start()
 
     def _submit(self, handle: SaveHandle, metadata: Metadata) -> None:
         """Record B1 and hand the staged checkpoint to the pipeline (the writer's ``finish``)."""
@@ -252,7 +268,9 @@ class Checkpointer:
             ptr = read_pointer(self.shared, layout.LATEST)
             steps += [ptr.step] if ptr else []
         steps += [
-            info.step for info in list_checkpoints(self.shared) if info.boundary is not None and info.boundary >= boundary
+            info.step
+            for info in list_checkpoints(self.shared)
+            if info.boundary is not None and info.boundary >= boundary
         ]
         return max(steps, default=None)
 
@@ -269,8 +287,14 @@ class Checkpointer:
         atexit.unregister(self._at_exit)
         limit = self.config.close_timeout if timeout is None else timeout
         if not self._pipeline.close(limit):
-            log.warning("close(): checkpoints %s still in flight after %.0f s", sorted(self._pipeline.in_flight()), limit)
+            log.warning(
+                "close(): checkpoints %s still in flight after %.0f s",
+                sorted(self._pipeline.in_flight()),
+                limit,
+            )
             return
+        if self._warmer is not None:
+            self._warmer.join()
         self._ring.close()
         for tier in (self.shared, self.dram):
             tier.close()

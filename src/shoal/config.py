@@ -78,7 +78,8 @@ class Config:
             raise ConfigError(str(e)) from e
         if not isinstance(self.chunk_size, int) or not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
             raise ConfigError(
-                f"Config.chunk_size must be an int in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}], got {self.chunk_size!r}"
+                f"Config.chunk_size must be an int in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}], "
+                f"got {self.chunk_size!r}"
             )
         if self.path not in PATHS:
             raise ConfigError(f"Config.path must be one of {PATHS}, got {self.path!r}")

@@ -28,7 +28,6 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
 from torch.distributed.checkpoint import StorageWriter as _DcpStorageWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -42,6 +41,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from shoal.engine.handle import SaveHandle
 from shoal.engine.stager import StageEntry
@@ -63,7 +63,11 @@ def item_key(index: MetadataIndex, *, sharded: bool) -> str:
     >>> item_key(MetadataIndex("w", torch.Size([4, 0])), sharded=True)
     'w@4_0'
     """
-    key = index.fqn if not sharded or index.offset is None else f"{index.fqn}@{'_'.join(map(str, index.offset))}"
+    key = (
+        index.fqn
+        if not sharded or index.offset is None
+        else f"{index.fqn}@{'_'.join(map(str, index.offset))}"
+    )
     return check_item_key(key)
 
 
@@ -135,13 +139,17 @@ class StorageWriter(_DcpStorageWriter):
             else:
                 payload = data.detach() if isinstance(data, torch.Tensor) else data
                 if not isinstance(payload, torch.Tensor):
-                    raise TypeError(f"item {key!r}: the planner resolved a {type(data).__name__}, not a tensor")
+                    raise TypeError(
+                        f"item {key!r}: the planner resolved a {type(data).__name__}, not a tensor"
+                    )
             entries.append(StageEntry(key, payload))
         self._handle, staged = self.checkpointer._stage(self.step, entries, started=self._started)
         self._staged = staged
         sizes = {s.key: s.nbytes for s in staged} if staged is not None else {}
         for item, entry in zip(plan.items, entries, strict=True):
-            results.append(WriteResult(index=item.index, size_in_bytes=sizes.get(entry.key, 0), storage_data=entry.key))
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=sizes.get(entry.key, 0), storage_data=entry.key)
+            )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -197,12 +205,16 @@ class StorageReader(_DcpStorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         manifest = self._manifest or self.checkpointer._resolve_manifest(self.step)
         if manifest.dcp is None:
-            raise FormatError(f"step {manifest.step} was not saved through DCP: its manifest has no DCP metadata")
+            raise FormatError(
+                f"step {manifest.step} was not saved through DCP: its manifest has no DCP metadata"
+            )
         self._manifest = manifest
         self.step = manifest.step
         return decode_metadata(manifest.dcp)
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         self._metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -221,7 +233,8 @@ class StorageReader(_DcpStorageReader):
             key = storage.get(ri.storage_index)
             if not isinstance(key, str) or key not in manifest.items:
                 raise FormatError(
-                    f"step {manifest.step}: DCP item {ri.storage_index.fqn!r} (offset {ri.storage_index.offset}) "
+                    f"step {manifest.step}: DCP item {ri.storage_index.fqn!r} "
+                    f"(offset {ri.storage_index.offset}) "
                     f"has no stored item in the manifest (storage key {key!r})"
                 )
             groups[key].append(ri)
@@ -266,7 +279,9 @@ def _read_item(reader: ItemReader, rec: ItemRecord, items: list[ReadItem], plann
         planner.commit_tensor(ri, target)
 
 
-def _load_whole(reader: ItemReader, rec: ItemRecord, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _load_whole(
+    reader: ItemReader, rec: ItemRecord, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype)
     view = _writable_view(out)
     if view is not None:

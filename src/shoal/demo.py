@@ -47,8 +47,17 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str,
 
 
 def run(root: str, *, steps: int = 24, every: int = 6, dram: str | None = None) -> None:
-    dram_root = dram or os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), f"shoal-demo-{os.getpid()}")
-    cfg = shoal.Config(shared=os.path.join(root, "shared"), local=os.path.join(root, "local"), dram=dram_root, job="demo", keep_last=3, chunk_size=256 << 10)
+    dram_root = dram or os.path.join(
+        "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), f"shoal-demo-{os.getpid()}"
+    )
+    cfg = shoal.Config(
+        shared=os.path.join(root, "shared"),
+        local=os.path.join(root, "local"),
+        dram=dram_root,
+        job="demo",
+        keep_last=3,
+        chunk_size=256 << 10,
+    )
     print(f"shoal {shoal.__version__} demo: shared tier {cfg.shared_url()}, DRAM {dram_root}")
     model, opt = _model(0)
     handles = []
@@ -66,14 +75,17 @@ def run(root: str, *, steps: int = 24, every: int = 6, dram: str | None = None) 
                 h.wait(shoal.Boundary.RESTARTABLE, timeout=120)
             print("\ncheckpoint  " + "  ".join(f"{b.label:>15}" for b in shoal.Boundary))
             for h in handles:
-                print(f"step {h.step:5d}  " + "  ".join(f"{h.times[b] * 1e3:12.1f} ms" for b in shoal.Boundary))
+                print(
+                    f"step {h.step:5d}  " + "  ".join(f"{h.times[b] * 1e3:12.1f} ms" for b in shoal.Boundary)
+                )
             print("\nretained on shared storage (keep_last=3):")
             for info in list_checkpoints(ckpt.shared):
                 m = info.manifest
                 assert m is not None and info.boundary is not None
                 s = m.stats
                 print(
-                    f"  step {info.step:4d}  {info.boundary.label:<15} logical {s.logical_bytes / 2**20:6.2f} MiB  "
+                    f"  step {info.step:4d}  {info.boundary.label:<15} "
+                    f"logical {s.logical_bytes / 2**20:6.2f} MiB  "
                     f"written {s.written_bytes / 2**20:6.2f} MiB  dedup x{s.dedup_ratio:.2f}"
                 )
 
@@ -94,7 +106,10 @@ def run(root: str, *, steps: int = 24, every: int = 6, dram: str | None = None) 
             for step in range(loaded + 1, steps + 5):
                 _train_step(fresh_model, fresh_opt, step)
             _check_equal(_state(ref_model, ref_opt, 0), _state(fresh_model, fresh_opt, 0), loaded)
-            print(f"resumed from step {loaded} to step {steps + 4}: parameters match an uninterrupted run bit for bit")
+            print(
+                f"resumed from step {loaded} to step {steps + 4}: "
+                "parameters match an uninterrupted run bit for bit"
+            )
     finally:
         if dram is None:
             shutil.rmtree(dram_root, ignore_errors=True)
@@ -102,7 +117,13 @@ def run(root: str, *, steps: int = 24, every: int = 6, dram: str | None = None) 
 
 def _check_equal(a: Any, b: Any, step: int, path: str = "") -> None:
     if isinstance(a, torch.Tensor):
-        if not (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8) if a.dim() else a, b.view(-1).view(torch.uint8) if b.dim() else b)):
+        if not (
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(
+                a.view(-1).view(torch.uint8) if a.dim() else a, b.view(-1).view(torch.uint8) if b.dim() else b
+            )
+        ):
             raise SystemExit(f"demo FAILED: {path} differs after loading step {step}")
     elif isinstance(a, dict):
         if set(a) != set(b):
@@ -116,7 +137,9 @@ def _check_equal(a: Any, b: Any, step: int, path: str = "") -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="shoal demo", description=__doc__)
-    parser.add_argument("--root", default=None, help="where the tiers go (default: a fresh temporary directory)")
+    parser.add_argument(
+        "--root", default=None, help="where the tiers go (default: a fresh temporary directory)"
+    )
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--every", type=int, default=6)
     args = parser.parse_args(argv)

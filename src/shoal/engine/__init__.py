@@ -1,1 +1,4 @@
-"""The engine: stager, background pipeline, restore and retention; the only layer doing I/O and collectives together."""
+"""The engine: stager, background pipeline, reads and retention.
+
+The only layer that does I/O and collectives together.
+"""

@@ -112,7 +112,9 @@ class Pipeline:
                 raise RuntimeError("the pipeline is closed")
             self._pending[job.step] = job
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"shoal-pipeline-r{self.rank}", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name=f"shoal-pipeline-r{self.rank}", daemon=True
+                )
                 self._thread.start()
         self._queue.put(job)
 
@@ -201,7 +203,9 @@ class Pipeline:
 
     def _hash(self, job: SaveJob) -> dict[str, list[str]]:
         t0 = time.perf_counter()
-        out = {item.key: self._hasher.hash_item(job.slot.view(item), self.chunk_size) for item in job.slot.items}
+        out = {
+            item.key: self._hasher.hash_item(job.slot.view(item), self.chunk_size) for item in job.slot.items
+        }
         nbytes = sum(item.nbytes for item in job.slot.items)
         self.events.emit("hashed", job.step, bytes=nbytes, seconds=time.perf_counter() - t0)
         return out
@@ -220,7 +224,9 @@ class Pipeline:
         packs = {catalog.locations[d].pack for ds in digests.values() for d in ds if d in catalog}
         missing = sorted(p for p in packs if not self.shared.exists(layout.pack_path(p)))
         if missing:
-            log.warning("packs %s vanished from %s; their chunks will be written again", missing, self.shared.url)
+            log.warning(
+                "packs %s vanished from %s; their chunks will be written again", missing, self.shared.url
+            )
         return not missing
 
     def _plan(self, job: SaveJob, digests: dict[str, list[str]], catalog: ChunkCatalog) -> CheckpointPlan:
@@ -242,7 +248,9 @@ class Pipeline:
             off = ref.index * self.chunk_size
             builder.add(ref.digest, job.slot.view(by_key[ref.key])[off : off + ref.length])
         index = builder.index()
-        self._write(job.step, "pack", layout.pack_path(builder.pack_id), builder.buffers(), nbytes=builder.size)
+        self._write(
+            job.step, "pack", layout.pack_path(builder.pack_id), builder.buffers(), nbytes=builder.size
+        )
         failpoints.hit("pipeline.after_pack", rank=self.rank)
         self._write(job.step, "index", layout.index_path(builder.pack_id), index.encode())
         locs = {e.digest: ChunkLocation(builder.pack_id, e.offset, e.length) for e in index.entries}
@@ -305,7 +313,9 @@ class Pipeline:
             try:
                 freed, dropped = run_retention(tier, self.keep_last, horizon)
             except Exception as e:
-                log.warning("retention on %s after step %d failed (nothing unsafe was deleted): %s", tier.url, step, e)
+                log.warning(
+                    "retention on %s after step %d failed (nothing unsafe was deleted): %s", tier.url, step, e
+                )
                 continue
             if tier is self.shared and self._catalog is not None:
                 self._catalog.drop_packs(dropped)

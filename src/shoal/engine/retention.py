@@ -9,6 +9,7 @@ any manifest cannot be read no pack is deleted at all (its references are unknow
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -43,24 +44,31 @@ def plan_retention(
         committed: steps with a commit record.
         manifests: every step on the tier -> its manifest, or None if unreadable.
         latest: the step ``LATEST`` names (always kept).
-        keep_last: committed checkpoints to keep, newest steps first (None: all).
+        keep_last: committed checkpoints to keep, newest steps first (None: all; 0: none but ``latest``).
         pack_ids: every pack id present on the tier.
         horizon: the newest step whose packs may be judged; newer ones may be in flight.
     """
+    if keep_last is not None and keep_last < 0:
+        raise ValueError(f"keep_last must be None or >= 0, got {keep_last}")
     committed = sorted(set(committed))
-    keep = set(committed if keep_last is None else committed[-keep_last:])
+    # Not committed[-keep_last:]: with keep_last == 0 that slice is the whole list.
+    keep = set(committed if keep_last is None else committed[len(committed) - keep_last :])
     if latest is not None:
         keep.add(latest)
+    # An uncommitted step with an unreadable manifest may be torn mid-write by a live writer: left alone.
     delete = sorted(
-        s for s in manifests if s not in keep and s <= horizon and (s in committed or manifests[s] is not None)
+        s
+        for s, m in manifests.items()
+        if s not in keep and s <= horizon and (s in committed or m is not None)
     )
-    remaining = [s for s in manifests if s not in delete]
+    doomed_steps = set(delete)
+    remaining = [s for s in manifests if s not in doomed_steps]
     if any(manifests[s] is None for s in remaining):
         bad = [s for s in remaining if manifests[s] is None]
         return RetentionPlan(
             tuple(sorted(keep)), tuple(delete), (), f"unreadable manifests for steps {bad}: packs left alone"
         )
-    referenced = set()
+    referenced: set[str] = set()
     for s in remaining:
         m = manifests[s]
         assert m is not None
@@ -92,10 +100,8 @@ def apply_retention(tier: Tier, plan: RetentionPlan) -> int:
             tier.delete(path)
     freed = 0
     for pid in plan.delete_packs:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             freed += tier.info(layout.pack_path(pid)).size
-        except FileNotFoundError:
-            pass
         tier.delete(layout.pack_path(pid))
         tier.delete(layout.index_path(pid))
     if plan.delete_steps or plan.delete_packs:

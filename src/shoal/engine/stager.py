@@ -182,6 +182,34 @@ class SlotRing:
         with self._cond:
             return [s.step for s in self._slots if s.in_flight and s.step is not None]
 
+    def warm(self, nbytes: int) -> None:
+        """Create (or grow) every idle slot's slab to ``nbytes`` now, pre-faulted.
+
+        Run in the background after the first save, so that the second save does not
+        pay first-touch page faults in a fresh slot. A slot being warmed is reserved
+        (a save that needs it waits for it, as for any in-flight slot).
+        """
+        for slot in self._slots:
+            with self._cond:
+                if slot.in_flight or (slot.slab is not None and slot.slab.capacity >= nbytes):
+                    continue
+                slot.in_flight = True
+                slot.step = None
+            try:
+                if slot.slab is None:
+                    slot.slab = self._dram.open_slab(slot.name, nbytes)
+                else:
+                    slot.slab.ensure(nbytes)
+            except Exception as e:  # the save that needs this slot will report it
+                log.warning("could not pre-allocate DRAM slot %s (%d bytes): %s", slot.name, nbytes, e)
+            finally:
+                self.release(slot)
+
+    def needs_warming(self, nbytes: int) -> bool:
+        """Whether some idle slot has no slab of ``nbytes`` yet."""
+        with self._cond:
+            return any(not s.in_flight and (s.slab is None or s.slab.capacity < nbytes) for s in self._slots)
+
     def close(self) -> None:
         """Unmap every slab (the ring must not be used afterwards)."""
         with self._cond:

@@ -48,7 +48,9 @@ def read_manifest(tier: Tier, step: int, *, expect_digest: str | None = None) ->
         )
     manifest = decode_manifest(data, where)
     if manifest.step != step:
-        raise FormatError(f"manifest {where} says step {manifest.step}, but lies in the directory of step {step}")
+        raise FormatError(
+            f"manifest {where} says step {manifest.step}, but lies in the directory of step {step}"
+        )
     return manifest
 
 
@@ -77,11 +79,16 @@ def list_checkpoints(tier: Tier) -> list[CheckpointInfo]:
 
 
 def resolve_manifest(tier: Tier, step: int | None = None) -> Manifest:
-    """The manifest to load: ``LATEST``'s when ``step`` is None, else that step's (verified against its commit)."""
+    """The manifest to load: ``LATEST``'s when ``step`` is None, else that step's.
+
+    Either way it is verified against the digest its commit record names.
+    """
     if step is None:
         latest = read_pointer(tier, layout.LATEST)
         if latest is None:
-            raise CheckpointNotFound(f"no committed checkpoint under {tier.url} ({layout.LATEST} does not exist)")
+            raise CheckpointNotFound(
+                f"no committed checkpoint under {tier.url} ({layout.LATEST} does not exist)"
+            )
         return read_manifest(tier, latest.step, expect_digest=latest.manifest_blake3)
     commit = read_pointer(tier, layout.commit_path(step))
     if commit is None:
@@ -125,7 +132,8 @@ class ItemReader:
             actual = digest(view)
             if actual != dig:
                 raise ChecksumMismatch(
-                    f"item {key!r} of step {self.manifest.step}: chunk {i} (item bytes {item_off}..{item_off + length})"
+                    f"item {key!r} of step {self.manifest.step}: chunk {i} "
+                    f"(item bytes {item_off}..{item_off + length})"
                     f" read from pack {self.tier.url}/{pack} at offset {loc.offset} has BLAKE3 {actual}, "
                     f"expected {dig}"
                 )

@@ -128,7 +128,7 @@ class Manifest:
             "locations": {d: [loc.pack, loc.offset, loc.length] for d, loc in self.locations.items()},
             "dcp": self.dcp,
         }
-        return json.dumps(doc, separators=(",", ":")).encode()
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     def chunk_spans(self, key: str) -> list[tuple[str, int, int]]:
         """``(digest, offset in item, length)`` for each chunk of item ``key``."""
@@ -150,12 +150,12 @@ class _Reader:
             raise self.fail(f"{path}{key}", "missing")
         return obj[key]
 
-    def int(self, value: Any, path: str, *, minimum: int = 0) -> int:
+    def integer(self, value: Any, path: str, *, minimum: int = 0) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise self.fail(path, f"expected an int >= {minimum}, got {value!r}")
         return value
 
-    def str(self, value: Any, path: str) -> str:
+    def string(self, value: Any, path: str) -> str:
         if not isinstance(value, str):
             raise self.fail(path, f"expected a string, got {value!r}")
         return value
@@ -165,7 +165,7 @@ class _Reader:
             raise self.fail(path, f"expected an object, got {type(value).__name__}")
         return value
 
-    def list(self, value: Any, path: str) -> list[Any]:
+    def array(self, value: Any, path: str) -> list[Any]:
         if not isinstance(value, list):
             raise self.fail(path, f"expected a list, got {type(value).__name__}")
         return value
@@ -175,6 +175,20 @@ class _Reader:
             return check(value, *args)
         except ValueError as e:
             raise self.fail(path, str(e)) from e
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` hook: a key given twice would let one reader see what another does not."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def check_format(fmt: Any, where: str) -> tuple[int, int]:
@@ -195,8 +209,10 @@ def check_format(fmt: Any, where: str) -> tuple[int, int]:
 def decode_manifest(data: bytes, where: str) -> Manifest:
     """Parse and validate manifest bytes; ``where`` (tier url and path) appears in every error."""
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        doc = json.loads(data, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise FormatError(f"manifest {where}: duplicate JSON object key {e.args[0]!r}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, huge ints
         raise FormatError(f"manifest {where} is not valid JSON (truncated or corrupted?): {e}") from e
     r = _Reader(where)
     doc = r.obj(doc, "top level")
@@ -204,9 +220,9 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     job = r.checked(check_identifier, r.get(doc, "job", ""), "job", "job")
     step = r.checked(check_step, r.get(doc, "step", ""), "step")
     created = r.get(doc, "created", "")
-    if isinstance(created, bool) or not isinstance(created, int | float):
-        raise r.fail("created", f"expected a number, got {created!r}")
-    chunk_size = r.int(r.get(doc, "chunk_size", ""), "chunk_size", minimum=1)
+    if isinstance(created, bool) or not isinstance(created, int | float) or not math.isfinite(created):
+        raise r.fail("created", f"expected a finite number, got {created!r}")
+    chunk_size = r.integer(r.get(doc, "chunk_size", ""), "chunk_size", minimum=1)
     if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
         raise r.fail("chunk_size", f"{chunk_size} is outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
     hash_name = r.get(doc, "hash", "")
@@ -217,7 +233,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     for pid, prec in r.obj(r.get(doc, "packs", ""), "packs").items():
         r.checked(check_identifier, pid, f"packs[{pid!r}]", "pack id")
         prec = r.obj(prec, f"packs[{pid!r}]")
-        size = r.int(r.get(prec, "size", f"packs[{pid!r}]."), f"packs[{pid!r}].size")
+        size = r.integer(r.get(prec, "size", f"packs[{pid!r}]."), f"packs[{pid!r}].size")
         pdig = r.checked(check_digest, r.get(prec, "blake3", f"packs[{pid!r}]."), f"packs[{pid!r}].blake3")
         packs[pid] = PackRecord(size, pdig)
 
@@ -225,13 +241,13 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     for dig, loc in r.obj(r.get(doc, "locations", ""), "locations").items():
         at = f"locations[{dig[:16]!r}...]"
         r.checked(check_digest, dig, at)
-        loc = r.list(loc, at)
+        loc = r.array(loc, at)
         if len(loc) != 3:
             raise r.fail(at, f"expected [pack, offset, length], got {loc!r}")
-        pid = r.str(loc[0], f"{at}.pack")
+        pid = r.string(loc[0], f"{at}.pack")
         if pid not in packs:
             raise r.fail(f"{at}.pack", f"pack {pid!r} is not listed in 'packs'")
-        off, length = r.int(loc[1], f"{at}.offset"), r.int(loc[2], f"{at}.length")
+        off, length = r.integer(loc[1], f"{at}.offset"), r.integer(loc[2], f"{at}.length")
         if off + length > packs[pid].size:
             raise r.fail(at, f"bytes {off}..{off + length} lie past pack {pid!r}'s size {packs[pid].size}")
         locations[dig] = ChunkLocation(pid, off, length)
@@ -244,19 +260,21 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         kind = r.get(rec, "kind", f"{at}.")
         if kind not in ITEM_KINDS:
             raise r.fail(f"{at}.kind", f"expected one of {ITEM_KINDS}, got {kind!r}")
-        nbytes = r.int(r.get(rec, "nbytes", f"{at}."), f"{at}.nbytes")
-        rank = r.int(r.get(rec, "rank", f"{at}."), f"{at}.rank")
+        nbytes = r.integer(r.get(rec, "nbytes", f"{at}."), f"{at}.nbytes")
+        rank = r.integer(r.get(rec, "rank", f"{at}."), f"{at}.rank")
         dtype = rec.get("dtype")
         shape_raw = rec.get("shape")
         shape: tuple[int, ...] | None = None
-        if kind == "tensor":
-            if not isinstance(dtype, str) or not _DTYPE_RE.fullmatch(dtype):
-                raise r.fail(f"{at}.dtype", f"expected a dtype name, got {dtype!r}")
+        if (kind == "tensor" or dtype is not None) and (
+            not isinstance(dtype, str) or not _DTYPE_RE.fullmatch(dtype)
+        ):
+            raise r.fail(f"{at}.dtype", f"expected a dtype name, got {dtype!r}")
+        if kind == "tensor" or shape_raw is not None:
             shape = tuple(
-                r.int(s, f"{at}.shape[{i}]") for i, s in enumerate(r.list(shape_raw, f"{at}.shape"))
+                r.integer(s, f"{at}.shape[{i}]") for i, s in enumerate(r.array(shape_raw, f"{at}.shape"))
             )
-        chunks = r.list(r.get(rec, "chunks", f"{at}."), f"{at}.chunks")
-        expected = math.ceil(nbytes / chunk_size)
+        chunks = r.array(r.get(rec, "chunks", f"{at}."), f"{at}.chunks")
+        expected = -(-nbytes // chunk_size)
         if len(chunks) != expected:
             raise r.fail(f"{at}.chunks", f"{len(chunks)} chunks for {nbytes} bytes; expected {expected}")
         for i, d in enumerate(chunks):
@@ -273,16 +291,16 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
 
     w = r.obj(doc.get("world", {}), "world")
     hosts = tuple(
-        r.str(h, f"world.hosts[{i}]") for i, h in enumerate(r.list(w.get("hosts", []), "world.hosts"))
+        r.string(h, f"world.hosts[{i}]") for i, h in enumerate(r.array(w.get("hosts", []), "world.hosts"))
     )
     world = WorldInfo(
-        r.int(w.get("size", 1), "world.size", minimum=1),
+        r.integer(w.get("size", 1), "world.size", minimum=1),
         hosts,
-        r.int(w.get("ranks_per_node", 1), "world.ranks_per_node", minimum=1),
+        r.integer(w.get("ranks_per_node", 1), "world.ranks_per_node", minimum=1),
     )
     s = r.obj(doc.get("stats", {}), "stats")
     stats = Stats(
-        *(r.int(s.get(k, 0), f"stats.{k}") for k in ("logical_bytes", "unique_bytes", "written_bytes"))
+        *(r.integer(s.get(k, 0), f"stats.{k}") for k in ("logical_bytes", "unique_bytes", "written_bytes"))
     )
     dcp = doc.get("dcp")
     if dcp is not None:
@@ -299,7 +317,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         world=world,
         dcp=dcp,
         stats=stats,
-        shoal_version=r.str(version, "shoal_version"),
+        shoal_version=r.string(version, "shoal_version"),
     )
 
 
@@ -317,7 +335,7 @@ class Pointer:
 def decode_pointer(data: bytes, where: str) -> Pointer:
     try:
         doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:
         raise FormatError(f"{where} is not valid JSON (truncated or corrupted?): {e}") from e
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: expected a JSON object")

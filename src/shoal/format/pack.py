@@ -55,7 +55,7 @@ def decode_index(data: bytes, where: str) -> PackIndex:
     """Parse and validate a pack index; ``where`` names the file in errors."""
     try:
         doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, huge ints
         raise FormatError(f"pack index {where} is not valid JSON (truncated or corrupted?): {e}") from e
     if not isinstance(doc, dict):
         raise FormatError(f"pack index {where}: expected a JSON object, got {type(doc).__name__}")

@@ -2,8 +2,14 @@
 
 Input: every rank's chunk list (item key, chunk digests and lengths) and the set
 of chunks already durable on the shared tier. Output: one owner per unique new
-chunk, chosen so that the bytes each *host* drains are balanced
-(longest-processing-time greedy over hosts, then over that host's ranks).
+chunk, chosen so that the bytes each *host* drains are balanced: a greedy over hosts,
+then over that host's ranks, taking chunks most constrained first (fewest hosts hold
+them: a rank's own shard before a replicated weight), then longest first.
+
+Placing the chunks only one host can drain before the ones any host can drain is what
+keeps the greedy within one chunk of the lower bound ``max(forced bytes of any host,
+new bytes / hosts, biggest chunk)`` for the usual mix of sharded and replicated state;
+longest-first alone can hand a replicated chunk to a host whose own shards come later.
 No I/O and no torch.distributed here, so it runs for thousands of ranks in a unit test.
 """
 
@@ -85,8 +91,10 @@ def plan_save(step: int, ranks: Sequence[RankChunks], durable: Container[str]) -
     unique = sum(h[0][2].length for h in holders.values())
     new = [(d, h) for d, h in holders.items() if d not in durable]
     reused = unique - sum(h[0][2].length for _, h in new)
-    # Longest first, each to the least-loaded host holding it, then its least-loaded rank there.
-    new.sort(key=lambda dh: (-dh[1][0][2].length, dh[0]))
+    # Fewest holder hosts first, then longest first; each chunk to the least-loaded host holding
+    # it, then to that host's least-loaded rank holding it.
+    spread = {d: len({host for _, host, _ in hs}) for d, hs in new}
+    new.sort(key=lambda dh: (spread[dh[0]], -dh[1][0][2].length, dh[0]))
     host_load: dict[str, int] = {rc.host: 0 for rc in ranks}
     rank_load: dict[int, int] = {rc.rank: 0 for rc in ranks}
     owned: dict[int, list[ChunkRef]] = {}

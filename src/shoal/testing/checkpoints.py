@@ -37,7 +37,7 @@ def float8_dtypes() -> list[torch.dtype]:
 
 
 def rich_state(seed: int = 0) -> dict[str, Any]:
-    """A state dict with every dtype, 0-d, empty, non-contiguous and multi-chunk tensors, nesting and objects."""
+    """A state dict with every dtype; 0-d, empty, non-contiguous and multi-chunk tensors; nesting; objects."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(64, 48, generator=g)
     tensors: dict[str, torch.Tensor] = {
@@ -97,7 +97,9 @@ def assert_state_equal(actual: Mapping[str, Any], expected: Mapping[str, Any], p
         a, where = actual[k], f"{path}{k}"
         if isinstance(e, torch.Tensor):
             assert isinstance(a, torch.Tensor), f"{where}: expected a tensor, got {type(a).__name__}"
-            assert a.dtype == e.dtype and a.shape == e.shape, f"{where}: {a.dtype}{tuple(a.shape)} != {e.dtype}{tuple(e.shape)}"
+            assert a.dtype == e.dtype and a.shape == e.shape, (
+                f"{where}: {a.dtype}{tuple(a.shape)} != {e.dtype}{tuple(e.shape)}"
+            )
             assert torch.equal(bits(a), bits(e)), f"{where}: bytes differ"
         elif isinstance(e, Mapping):
             assert_state_equal(a, e, where + ".")

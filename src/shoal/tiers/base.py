@@ -25,12 +25,67 @@ Contract shared by every implementation (checked by
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+from shoal.errors import ConfigError
 
 BytesLike = bytes | bytearray | memoryview
 Data = BytesLike | Iterable[BytesLike]
 """What ``Tier.write`` accepts: one bytes-like object, or an iterable of them written back to back."""
+
+
+def iter_byte_views(data: Data) -> Iterator[memoryview]:
+    """Yield ``data`` as flat, C-contiguous byte views (format ``B``), without copying.
+
+    ``data`` is one object supporting the buffer protocol (bytes, bytearray, memoryview,
+    a numpy array, ...) or an iterable of them. Typed views (``memoryview`` of floats) are
+    cast to bytes; a non-contiguous view is the only case that is copied. The iterable is
+    consumed lazily, so an exception it raises reaches the caller mid-write.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        try:
+            single = memoryview(cast(Any, data))
+        except TypeError:
+            for part in data:
+                yield as_byte_view(part)
+            return
+        yield as_byte_view(single)
+        return
+    yield as_byte_view(data)
+
+
+def as_byte_view(obj: Any) -> memoryview:
+    """Return ``obj`` (any buffer) as a flat, format-``B`` memoryview; copy only if not contiguous."""
+    view = obj if isinstance(obj, memoryview) else memoryview(obj)
+    if view.format == "B" and view.ndim == 1 and view.c_contiguous:
+        return view
+    if view.c_contiguous:
+        return view.cast("B")
+    return memoryview(view.tobytes())
+
+
+class CommitStrategy(Protocol):
+    """How a tier makes one file appear whole or not at all (chosen once per tier).
+
+    Implementations: :class:`shoal.tiers.local.AtomicRenameCommit` (temporary sibling,
+    fsync, rename, directory fsync) and :class:`shoal.tiers.shared.ObjectPutCommit`
+    (one streamed PUT or multipart upload completed at close, aborted on error).
+    """
+
+    @property
+    def atomic_rename(self) -> bool:
+        """Whether the commit is a rename of a temporary file (``TierCapabilities.atomic_rename``)."""
+        ...
+
+    def write(self, target: str, data: Data) -> int:
+        """Write ``data`` to ``target`` (a path in the strategy's namespace), atomically; return bytes.
+
+        On any exception nothing new is visible at ``target`` (an earlier file stays intact)
+        and the exception propagates unchanged (``OSError`` s are wrapped by the tier).
+        """
+        ...
 
 
 @dataclass(frozen=True)
@@ -59,6 +114,19 @@ class Tier(abc.ABC):
 
     kind: str = "abstract"
     capabilities: TierCapabilities
+
+    @classmethod
+    def from_url(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> Tier:
+        """Open a tier of this class at ``url``; what :func:`shoal.tiers.open_tier` calls.
+
+        The default passes ``url`` to the constructor and refuses storage options, which
+        only tiers backed by fsspec understand (they override this).
+        """
+        if storage_options:
+            raise ConfigError(
+                f"the {cls.kind!r} tier at {url!r} takes no storage options; got {sorted(storage_options)}"
+            )
+        return cls(url)  # type: ignore[call-arg]
 
     @property
     @abc.abstractmethod

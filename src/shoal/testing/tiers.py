@@ -1,0 +1,247 @@
+"""The tier conformance suite: every tier, built in or third party, proves itself against it.
+
+Subclass :class:`TierTests` in a test module (its name must start with ``Test`` for
+pytest to collect it), provide a ``tier`` fixture, and implement the two helpers that
+reach *around* the tier to its backing storage, so that the suite checks the tier
+against ground truth rather than against itself::
+
+    class TestMyTier(TierTests):
+        @pytest.fixture
+        def tier(self, tmp_path):
+            return MyTier(tmp_path)
+
+        def write_around(self, tier, path, data): ...
+        def read_around(self, tier, path): ...
+        def files_around(self, tier): ...
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from shoal.errors import InvalidName, MissingFile, TierError
+from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities
+
+MiB = 1 << 20
+
+
+class Boom(RuntimeError):
+    """What a failing data iterable raises in the atomicity tests."""
+
+
+def _failing(parts: list[bytes]) -> Iterator[bytes]:
+    yield from parts
+    raise Boom("data source failed mid-write")
+
+
+class TierTests:
+    """Conformance tests for one :class:`~shoal.tiers.base.Tier` implementation."""
+
+    kind: str | None = None
+    """If set, the ``kind`` the tier must report."""
+
+    @pytest.fixture
+    def tier(self) -> Tier:
+        """An empty tier of the implementation under test; subclasses override."""
+        raise NotImplementedError("subclasses of TierTests provide a 'tier' fixture")
+
+    def write_around(self, tier: Tier, path: str, data: bytes) -> None:
+        """Create file ``path`` of ``tier`` with ``data`` directly in the backing storage."""
+        raise NotImplementedError
+
+    def read_around(self, tier: Tier, path: str) -> bytes | None:
+        """Read file ``path`` of ``tier`` directly from the backing storage; ``None`` if absent."""
+        raise NotImplementedError
+
+    def files_around(self, tier: Tier) -> list[str]:
+        """Every file physically under the tier's root (temporary files included), relative, sorted."""
+        raise NotImplementedError
+
+    # -- writing and reading --------------------------------------------------------------
+
+    @pytest.mark.parametrize(
+        "data",
+        [
+            b"hello",
+            bytearray(b"hello"),
+            memoryview(b"xhellox")[1:-1],
+            [b"he", bytearray(b"l"), memoryview(b"lo")],
+        ],
+        ids=["bytes", "bytearray", "memoryview", "parts"],
+    )
+    def test_write_accepts_any_bytes_like_and_parts(self, tier: Tier, data: Data) -> None:
+        assert tier.write("a/file.bin", data) == 5
+        assert self.read_around(tier, "a/file.bin") == b"hello"
+        assert tier.read("a/file.bin") == b"hello"
+
+    def test_read_sees_what_was_written_around(self, tier: Tier) -> None:
+        self.write_around(tier, "x/y/z.bin", b"ground truth")
+        assert tier.read("x/y/z.bin") == b"ground truth"
+        assert tier.exists("x/y/z.bin")
+
+    def test_empty_file_round_trips(self, tier: Tier) -> None:
+        assert tier.write("empty", b"") == 0
+        assert tier.write("empty-parts", []) == 0
+        assert tier.read("empty") == b""
+        assert tier.read("empty-parts") == b""
+        assert tier.info("empty").size == 0
+        assert tier.read_range("empty", 0, 0) == b""
+
+    def test_large_multipart_write_round_trips(self, tier: Tier) -> None:
+        parts = [os.urandom(MiB) for _ in range(10)]
+        assert tier.write("big", parts) == 10 * MiB
+        expected = b"".join(parts)
+        assert self.read_around(tier, "big") == expected
+        assert tier.read("big") == expected
+        assert tier.read_range("big", 3 * MiB - 7, MiB + 11) == expected[3 * MiB - 7 : 4 * MiB + 4]
+
+    def test_write_replaces_existing_file(self, tier: Tier) -> None:
+        tier.write("f", b"old content, longer")
+        tier.write("f", b"new")
+        assert tier.read("f") == b"new"
+        assert self.read_around(tier, "f") == b"new"
+        assert tier.list() == ["f"]
+
+    def test_nested_directories_are_created(self, tier: Tier) -> None:
+        tier.write("a/b/c/d/e.bin", b"deep")
+        assert tier.read("a/b/c/d/e.bin") == b"deep"
+        assert tier.list() == ["a/b/c/d/e.bin"]
+
+    # -- ranges -----------------------------------------------------------------------------
+
+    def test_read_range_returns_exact_bytes(self, tier: Tier) -> None:
+        tier.write("r", bytes(range(256)))
+        assert tier.read_range("r", 10, 5) == bytes(range(10, 15))
+        assert tier.read_range("r", 0, 256) == bytes(range(256))
+        assert tier.read_range("r", 256, 0) == b""
+
+    def test_read_range_into_fills_the_callers_buffer(self, tier: Tier) -> None:
+        tier.write("r", bytes(range(256)))
+        out = bytearray(b"\xff" * 20)
+        tier.read_range_into("r", 100, memoryview(out)[5:15])
+        assert out == b"\xff" * 5 + bytes(range(100, 110)) + b"\xff" * 5
+
+    @pytest.mark.parametrize(("offset", "length"), [(250, 10), (256, 1), (1000, 4)])
+    def test_short_range_raises_tier_error(self, tier: Tier, offset: int, length: int) -> None:
+        tier.write("r", bytes(range(256)))
+        with pytest.raises(TierError) as err:
+            tier.read_range("r", offset, length)
+        assert "'r'" in str(err.value)
+        with pytest.raises(TierError):
+            tier.read_range_into("r", offset, memoryview(bytearray(length)))
+
+    # -- missing files ----------------------------------------------------------------------
+
+    def test_missing_file_raises_missing_file(self, tier: Tier) -> None:
+        tier.write("present", b"x")
+        with pytest.raises(MissingFile, match="nope"):
+            tier.read("nope")
+        with pytest.raises(MissingFile):
+            tier.read_range("dir/nope", 0, 1)
+        with pytest.raises(MissingFile):
+            tier.read_range_into("nope", 0, memoryview(bytearray(1)))
+        with pytest.raises(MissingFile):
+            tier.info("nope")
+        with pytest.raises(FileNotFoundError):  # MissingFile is a FileNotFoundError
+            tier.read("present/under-a-file")
+        assert not tier.exists("nope")
+
+    def test_a_directory_is_not_a_file(self, tier: Tier) -> None:
+        tier.write("d/f", b"x")
+        assert not tier.exists("d")
+        with pytest.raises(MissingFile):
+            tier.info("d")
+        with pytest.raises(MissingFile):
+            tier.read("d")
+        with pytest.raises(MissingFile):
+            tier.read_range("d", 0, 1)
+
+    # -- metadata and listing ---------------------------------------------------------------
+
+    def test_info_reports_size(self, tier: Tier) -> None:
+        tier.write("s/f", b"12345")
+        info = tier.info("s/f")
+        assert isinstance(info, FileInfo)
+        assert (info.path, info.size) == ("s/f", 5)
+        assert info.mtime >= 0.0
+
+    def test_list_is_recursive_sorted_and_filtered_by_prefix(self, tier: Tier) -> None:
+        for path in ["b", "a/2", "a/1", "a/sub/3", "ab", "c/d/e"]:
+            tier.write(path, path.encode())
+        assert tier.list() == ["a/1", "a/2", "a/sub/3", "ab", "b", "c/d/e"]
+        assert tier.list("a/") == ["a/1", "a/2", "a/sub/3"]
+        assert tier.list("a") == ["a/1", "a/2", "a/sub/3", "ab"]
+        assert tier.list("a/sub/") == ["a/sub/3"]
+        assert tier.list("nothing/") == []
+        assert tier.list("c/d/") == ["c/d/e"]
+
+    def test_list_of_an_empty_tier_is_empty(self, tier: Tier) -> None:
+        assert tier.list() == []
+        assert tier.list("steps/") == []
+
+    def test_list_sees_files_written_around(self, tier: Tier) -> None:
+        self.write_around(tier, "p/q", b"1")
+        assert tier.list() == ["p/q"]
+
+    # -- deleting ---------------------------------------------------------------------------
+
+    def test_delete_removes_and_tolerates_missing(self, tier: Tier) -> None:
+        tier.write("d/f", b"x")
+        tier.write("d/g", b"y")
+        tier.delete("d/f")
+        assert not tier.exists("d/f")
+        assert self.read_around(tier, "d/f") is None
+        assert tier.list() == ["d/g"]
+        tier.delete("d/f")
+        tier.delete("never/there")
+
+    # -- names ------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("path", ["../x", "/abs", "a\x00b", "a/../b", "a//b", "", ".", "a/./b"])
+    def test_unsafe_paths_are_refused(self, tier: Tier, path: str) -> None:
+        with pytest.raises(InvalidName):
+            tier.write(path, b"x")
+        with pytest.raises(InvalidName):
+            tier.read(path)
+        with pytest.raises(InvalidName):
+            tier.delete(path)
+        with pytest.raises(InvalidName):
+            tier.exists(path)
+        assert self.files_around(tier) == []
+
+    def test_list_prefix_is_validated(self, tier: Tier) -> None:
+        with pytest.raises(InvalidName):
+            tier.list("../")
+        with pytest.raises(InvalidName):
+            tier.list("/abs/")
+
+    # -- atomicity --------------------------------------------------------------------------
+
+    def test_failed_write_keeps_old_content_and_leaves_nothing(self, tier: Tier) -> None:
+        tier.write("f", b"old")
+        with pytest.raises(Boom):
+            tier.write("f", _failing([b"new ", b"partial"]))
+        assert tier.read("f") == b"old"
+        assert tier.list() == ["f"]
+        assert self.files_around(tier) == ["f"]
+
+    def test_failed_first_write_creates_nothing(self, tier: Tier) -> None:
+        with pytest.raises(Boom):
+            tier.write("new/f", _failing([b"x" * MiB]))
+        assert not tier.exists("new/f")
+        assert tier.list() == []
+        assert self.files_around(tier) == []
+
+    # -- the object itself ------------------------------------------------------------------
+
+    def test_capabilities_and_identity(self, tier: Tier) -> None:
+        assert isinstance(tier.capabilities, TierCapabilities)
+        assert isinstance(tier.url, str) and tier.url
+        if self.kind is not None:
+            assert tier.kind == self.kind
+        assert tier.url in repr(tier)
+        tier.close()
+        tier.close()

@@ -1,0 +1,329 @@
+"""The ``local`` tier: a directory on node-local disk, written with rename + fsync.
+
+Every write goes to a temporary sibling ``.<name>.tmp-<random>`` in the target's
+directory, is fsync'd, renamed over the target with :func:`os.replace`, and the
+directory is fsync'd (:class:`AtomicRenameCommit`). Readers therefore see the old
+file or the whole new one, and the new one survives a crash once ``write`` returns.
+Temporary files are never listed, and names that look like them are refused.
+
+Reads go straight into the caller's buffer (``os.preadv``); no tier method
+concatenates the parts of a write.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+
+from shoal.errors import InvalidName, MissingFile, ShoalError, TierError
+from shoal.format.names import check_relpath
+from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities, iter_byte_views
+
+_TEMP_NAME = re.compile(r"\..+\.tmp-[0-9a-f]{16}")
+_MAX_IO = 1 << 30
+"""Largest single read/write request; Linux caps one syscall near 2 GiB anyway."""
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` (one path segment) is the temporary file of a write in progress."""
+    return _TEMP_NAME.fullmatch(name) is not None
+
+
+def temp_sibling(target: str) -> str:
+    """A fresh temporary path next to ``target`` (same directory, so the rename is atomic)."""
+    directory, name = os.path.split(target)
+    return os.path.join(directory, f".{name}.tmp-{secrets.token_hex(8)}")
+
+
+def write_all(fd: int, data: Data) -> int:
+    """Write every part of ``data`` to ``fd`` with ``os.write`` (retrying partial writes); return bytes."""
+    total = 0
+    for view in iter_byte_views(data):
+        while view.nbytes:
+            n = os.write(fd, view[:_MAX_IO])
+            if n <= 0:  # pragma: no cover - os.write raises instead on Linux
+                raise OSError(errno.EIO, "os.write wrote nothing")
+            view = view[n:]
+            total += n
+    return total
+
+
+def fsync_dir(directory: str) -> None:
+    """fsync ``directory`` so that a rename or creation inside it is durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def makedirs_durable(directory: str, *, durable: bool) -> None:
+    """Create ``directory`` and missing parents; with ``durable``, fsync each new entry's parent."""
+    missing = []
+    current = directory
+    while not os.path.isdir(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            if not os.path.isdir(path):
+                raise
+            continue
+        if durable:
+            fsync_dir(os.path.dirname(path))
+
+
+class AtomicRenameCommit:
+    """Commit by temporary sibling, fsync, :func:`os.replace`, directory fsync (POSIX).
+
+    ``durable=False`` skips both fsyncs (for tiers that do not survive a reboot anyway,
+    like ``dram``); the rename still makes the write atomic for readers.
+    """
+
+    atomic_rename = True
+
+    def __init__(self, *, durable: bool = True) -> None:
+        self.durable = durable
+
+    def write(self, target: str, data: Data) -> int:
+        """Write ``data`` to the absolute path ``target`` atomically; return the bytes written.
+
+        Missing parent directories are created. On any exception (including one raised
+        by ``data`` while it is consumed) the temporary file is removed, ``target`` keeps
+        its earlier content, and the exception propagates unchanged.
+        """
+        directory = os.path.dirname(target)
+        makedirs_durable(directory, durable=self.durable)
+        tmp = temp_sibling(target)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                total = write_all(fd, data)
+                if self.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, target)
+        except BaseException:
+            with suppress(OSError):
+                os.unlink(tmp)
+            raise
+        if self.durable:
+            fsync_dir(directory)
+        return total
+
+
+def check_prefix(prefix: str) -> str:
+    """Validate a ``list`` prefix: ``""`` or a relative path, optionally ending in ``/``."""
+    if prefix == "":
+        return prefix
+    check_relpath(prefix[:-1] if prefix.endswith("/") else prefix)
+    return prefix
+
+
+class PosixTier(Tier):
+    """A tier rooted at a local directory; see the module docstring for the commit protocol.
+
+    The root is created on the first write, not by the constructor, so opening a tier
+    to read never creates directories. ``root`` may be a path or a ``file://`` URL.
+    """
+
+    kind = "local"
+    capabilities = TierCapabilities(persistent=True, host_local=True, atomic_rename=True)
+    durable = True
+    """Whether writes fsync (file and directory); subclasses for volatile tiers turn it off."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        root = os.fspath(root)
+        if root.startswith("file://"):
+            root = root[len("file://") :]
+        if not root or "\x00" in root:
+            raise InvalidName(f"{self.kind} tier root {root!r} is empty or contains a NUL character")
+        self._root = os.path.abspath(root)
+        self._commit = AtomicRenameCommit(durable=self.durable)
+
+    @property
+    def url(self) -> str:
+        return self._root
+
+    @property
+    def root(self) -> str:
+        """The absolute directory this tier is rooted at."""
+        return self._root
+
+    # -- paths and errors -------------------------------------------------------------------
+
+    def _check_path(self, path: str) -> str:
+        """Validate ``path``; subclasses refuse reserved areas. Returns ``path``."""
+        check_relpath(path)
+        if is_temp_name(path.rsplit("/", 1)[-1]):
+            raise InvalidName(f"tier path {path!r} looks like the temporary file of a write in progress")
+        return path
+
+    def _abs(self, path: str) -> str:
+        return os.path.join(self._root, self._check_path(path))
+
+    def _where(self, path: str) -> str:
+        return f"{path!r} in {self.kind} tier {self._root}"
+
+    def _error(self, action: str, path: str, err: OSError) -> ShoalError:
+        """The shoal error for an ``OSError`` raised while doing ``action`` on ``path``."""
+        return TierError(
+            f"could not {action} {self._where(path)}: [{errno.errorcode.get(err.errno or 0, err.errno)}] "
+            f"{err.strerror or err}" + (f" ({err.filename})" if err.filename else "")
+        )
+
+    @contextmanager
+    def _wrap(self, action: str, path: str, *, missing: bool = False) -> Iterator[None]:
+        """Turn ``OSError`` into :class:`TierError` (or :class:`MissingFile` when ``missing``)."""
+        try:
+            yield
+        except ShoalError:
+            raise
+        except OSError as e:
+            if missing and e.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
+                what = "it is a directory" if e.errno == errno.EISDIR else "no such file"
+                raise MissingFile(f"cannot {action} {self._where(path)}: {what}") from e
+            raise self._error(action, path, e) from e
+
+    # -- the Tier interface -----------------------------------------------------------------
+
+    def write(self, path: str, data: Data) -> int:
+        """Atomically write ``data`` to ``path`` (rename + fsync, see :class:`AtomicRenameCommit`)."""
+        target = self._abs(path)
+        with self._wrap("write", path):
+            return self._commit.write(target, data)
+
+    def read(self, path: str) -> bytes:
+        target = self._abs(path)
+        with self._wrap("read", path, missing=True):
+            fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                size = os.fstat(fd).st_size
+                return self._pread(fd, path, 0, size, exact=False)
+            finally:
+                os.close(fd)
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        _check_range(offset, length)
+        target = self._abs(path)
+        with self._wrap("read", path, missing=True):
+            fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                return self._pread(fd, path, offset, length, exact=True)
+            finally:
+                os.close(fd)
+
+    def _pread(self, fd: int, path: str, offset: int, length: int, *, exact: bool) -> bytes:
+        """Read ``length`` bytes at ``offset``; fewer only at end of file and only if not ``exact``."""
+        parts = []
+        got = 0
+        while got < length:
+            part = os.pread(fd, min(length - got, _MAX_IO), offset + got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        if exact and got < length:
+            raise self._short(path, offset, length, got)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _short(self, path: str, offset: int, length: int, got: int) -> TierError:
+        return TierError(
+            f"short read of {self._where(path)}: asked for {length} bytes at offset {offset}, "
+            f"the file holds only {got} of them"
+        )
+
+    def read_range_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``offset`` with ``os.preadv`` straight into the caller's buffer."""
+        view = writable_byte_view(out)
+        _check_range(offset, view.nbytes)
+        target = self._abs(path)
+        with self._wrap("read", path, missing=True):
+            fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                got = 0
+                while got < view.nbytes:
+                    n = os.preadv(fd, [view[got : got + _MAX_IO]], offset + got)
+                    if n <= 0:
+                        raise self._short(path, offset, view.nbytes, got)
+                    got += n
+            finally:
+                os.close(fd)
+
+    def exists(self, path: str) -> bool:
+        return os.path.isfile(self._abs(path))
+
+    def info(self, path: str) -> FileInfo:
+        target = self._abs(path)
+        with self._wrap("stat", path, missing=True):
+            st = os.stat(target)
+        if not stat.S_ISREG(st.st_mode):
+            raise MissingFile(f"cannot stat {self._where(path)}: it is a directory, not a file")
+        return FileInfo(path=path, size=st.st_size, mtime=st.st_mtime)
+
+    def _walk(self, rel: str, found: list[str]) -> None:
+        """Append every listed file below directory ``rel`` (relative to the root) to ``found``."""
+        directory = os.path.join(self._root, rel) if rel else self._root
+        try:
+            entries = list(os.scandir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for entry in entries:
+            child = f"{rel}/{entry.name}" if rel else entry.name
+            if not self._listed(child):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                self._walk(child, found)
+            elif entry.is_file() and not is_temp_name(entry.name):
+                found.append(child)
+
+    def _listed(self, rel: str) -> bool:
+        """Whether the entry ``rel`` (file or directory) belongs to the tier's listing."""
+        return True
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every file whose relative path starts with ``prefix`` (pass ``"dir/"`` for a directory)."""
+        check_prefix(prefix)
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        found: list[str] = []
+        parts = base.split("/") if base else []
+        if not all(self._listed("/".join(parts[: i + 1])) for i in range(len(parts))):
+            return found
+        with self._wrap("list", prefix or "."):
+            self._walk(base, found)
+        return sorted(p for p in found if p.startswith(prefix))
+
+    def delete(self, path: str) -> None:
+        target = self._abs(path)
+        with self._wrap("delete", path), suppress(FileNotFoundError):
+            os.unlink(target)
+
+
+def _check_range(offset: int, length: int) -> None:
+    if offset < 0 or length < 0:
+        raise ValueError(
+            f"a tier range needs offset >= 0 and length >= 0, got offset={offset} length={length}"
+        )
+
+
+def writable_byte_view(out: memoryview) -> memoryview:
+    """``out`` as a flat, writable, format-``B`` view; raise ``ValueError`` if it cannot be one."""
+    view = out if isinstance(out, memoryview) else memoryview(out)
+    if view.readonly:
+        raise ValueError("read_range_into needs a writable buffer, got a read-only one")
+    if not view.c_contiguous:
+        raise ValueError("read_range_into needs a C-contiguous buffer")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view

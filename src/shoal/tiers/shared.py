@@ -1,0 +1,240 @@
+"""The ``shared`` tier: a parallel file system or an object store, through fsspec.
+
+One class, two commit strategies chosen once from the URL's file system:
+
+* a local path or ``file://`` URL (a mounted parallel file system) commits with
+  :class:`~shoal.tiers.local.AtomicRenameCommit` (temporary sibling, fsync, rename,
+  directory fsync); ``capabilities.atomic_rename`` is true;
+* anything else (``s3://``, ``gs://``, ...) commits with :class:`ObjectPutCommit`: one
+  streamed upload that the object store makes visible only when it completes, and
+  that is aborted on error, so a failed write never leaves a partial object.
+
+File systems are created with ``skip_instance_cache=True`` and, for remote stores,
+``use_listings_cache=False``: no state is shared with other fsspec users through
+fsspec's global caches, and listings always reflect what other hosts wrote.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
+from typing import Any
+
+import fsspec
+import fsspec.utils
+from fsspec.implementations.local import LocalFileSystem
+
+from shoal.errors import InvalidName, MissingFile, ShoalError, TierError
+from shoal.format.names import check_relpath
+from shoal.tiers.base import CommitStrategy, Data, FileInfo, Tier, TierCapabilities, iter_byte_views
+from shoal.tiers.local import AtomicRenameCommit, check_prefix, is_temp_name
+
+try:  # botocore errors are not OSErrors; only s3fs users have botocore
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    _REMOTE_ERRORS: tuple[type[BaseException], ...] = (OSError, BotoCoreError, ClientError)
+except ImportError:  # pragma: no cover - depends on the environment
+    _REMOTE_ERRORS = (OSError,)
+
+
+class ObjectPutCommit:
+    """Commit by one streamed upload to an object store (single PUT, or multipart completed at close).
+
+    Nothing is visible at the target until the file object's ``close`` completes the
+    upload. On any exception before or during ``close`` the upload is discarded
+    (``discard()`` aborts a multipart upload in s3fs) and the exception propagates.
+    """
+
+    atomic_rename = False
+
+    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+        self.fs = fs
+
+    def write(self, target: str, data: Data) -> int:
+        """Upload ``data`` to ``target`` (a path in ``fs``); return the bytes written."""
+        f = self.fs.open(target, "wb")
+        total = 0
+        try:
+            for view in iter_byte_views(data):
+                f.write(view)
+                total += view.nbytes
+            f.close()
+        except BaseException:
+            _discard(f)
+            raise
+        return total
+
+
+def _discard(f: Any) -> None:
+    """Abandon an unfinished upload so that nothing partial is ever committed (not even by ``__del__``)."""
+    try:
+        discard = getattr(f, "discard", None)
+        if discard is not None:
+            discard()
+    except Exception:  # noqa: BLE001 - best effort: the original error is what matters
+        pass
+    finally:
+        # fsspec files flush (i.e. commit) on close() and in __del__; mark it closed instead
+        with suppress(AttributeError):
+            f.closed = True
+
+
+class FsspecTier(Tier):
+    """A tier at an fsspec URL (``/mnt/lustre/ckpt``, ``s3://bucket/prefix``, ...); the job-wide tier."""
+
+    kind = "shared"
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(url, str) or not url or "\x00" in url:
+            raise InvalidName(f"shared tier URL {url!r} is empty or contains a NUL character")
+        options: dict[str, Any] = dict(storage_options or {})
+        options["skip_instance_cache"] = True
+        if fsspec.utils.get_protocol(url) not in ("file", "local"):
+            options.setdefault("use_listings_cache", False)
+        try:
+            fs, root = fsspec.url_to_fs(url, **options)
+        except (ImportError, ValueError) as e:
+            raise TierError(f"cannot open shared tier {url!r}: {e}") from e
+        self._url = url.rstrip("/")
+        self.fs: fsspec.AbstractFileSystem = fs
+        self._root = root.rstrip("/")
+        self._commit: CommitStrategy
+        if isinstance(fs, LocalFileSystem):
+            self._commit = AtomicRenameCommit(durable=True)
+        else:
+            self._commit = ObjectPutCommit(fs)
+        self.capabilities = TierCapabilities(
+            persistent=True, host_local=False, atomic_rename=self._commit.atomic_rename
+        )
+
+    @classmethod
+    def from_url(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> FsspecTier:
+        return cls(url, storage_options)
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def _abs(self, path: str) -> str:
+        check_relpath(path)
+        if is_temp_name(path.rsplit("/", 1)[-1]):
+            raise InvalidName(f"tier path {path!r} looks like the temporary file of a write in progress")
+        return f"{self._root}/{path}"
+
+    @contextmanager
+    def _wrap(self, action: str, path: str, *, missing: bool = False) -> Iterator[None]:
+        """Turn backend errors into :class:`TierError` (:class:`MissingFile` when ``missing``)."""
+        try:
+            yield
+        except ShoalError:
+            raise
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+            if missing:
+                what = "it is a directory" if isinstance(e, IsADirectoryError) else "no such file"
+                raise MissingFile(f"cannot {action} {path!r} in shared tier {self._url}: {what}") from e
+            raise TierError(f"could not {action} {path!r} in shared tier {self._url}: {e}") from e
+        except _REMOTE_ERRORS as e:
+            raise TierError(
+                f"could not {action} {path!r} in shared tier {self._url}: {type(e).__name__}: {e}"
+            ) from e
+
+    def write(self, path: str, data: Data) -> int:
+        """Atomically write ``data`` (rename + fsync on a file system, one completed upload on objects)."""
+        target = self._abs(path)
+        with self._wrap("write", path):
+            return self._commit.write(target, data)
+
+    def read(self, path: str) -> bytes:
+        target = self._abs(path)
+        with self._wrap("read", path, missing=True):
+            data = self.fs.cat_file(target)
+        return bytes(data)
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0:
+            raise ValueError(
+                f"a tier range needs offset >= 0 and length >= 0, got offset={offset} length={length}"
+            )
+        target = self._abs(path)
+        with self._wrap("read", path, missing=True):
+            if length == 0:  # an empty HTTP range is invalid; only check the range is inside the file
+                size = self._size(target, path)
+                data = b""
+                if offset > size:
+                    raise self._short(path, offset, length, 0)
+            else:
+                data = self.fs.cat_file(target, start=offset, end=offset + length)
+        if len(data) != length:
+            raise self._short(path, offset, length, len(data))
+        return bytes(data)
+
+    def _short(self, path: str, offset: int, length: int, got: int) -> TierError:
+        return TierError(
+            f"short read of {path!r} in shared tier {self._url}: asked for {length} bytes at offset "
+            f"{offset}, got {got}"
+        )
+
+    def _size(self, target: str, path: str) -> int:
+        info = self.fs.info(target)
+        if info.get("type") != "file":
+            raise MissingFile(f"{path!r} in shared tier {self._url} is a directory, not a file")
+        return int(info["size"])
+
+    def exists(self, path: str) -> bool:
+        target = self._abs(path)
+        try:
+            with self._wrap("stat", path, missing=True):
+                return bool(self.fs.info(target).get("type") == "file")
+        except MissingFile:
+            return False
+
+    def info(self, path: str) -> FileInfo:
+        target = self._abs(path)
+        with self._wrap("stat", path, missing=True):
+            info = self.fs.info(target)
+        if info.get("type") != "file":
+            raise MissingFile(f"{path!r} in shared tier {self._url} is a directory, not a file")
+        return FileInfo(path=path, size=int(info["size"]), mtime=_mtime(info))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every file whose relative path starts with ``prefix`` (pass ``"dir/"`` for a directory)."""
+        check_prefix(prefix)
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = f"{self._root}/{base}" if base else self._root
+        with self._wrap("list", prefix or "."):
+            try:
+                found = self.fs.find(start)
+            except FileNotFoundError:
+                return []
+        cut = len(self._root) + 1
+        out = []
+        for full in found:
+            full = full.rstrip("/")
+            if not full.startswith(self._root + "/"):
+                continue
+            rel = full[cut:]
+            if rel.startswith(prefix) and not is_temp_name(rel.rsplit("/", 1)[-1]):
+                out.append(rel)
+        return sorted(out)
+
+    def delete(self, path: str) -> None:
+        target = self._abs(path)
+        with self._wrap("delete", path), suppress(FileNotFoundError):
+            self.fs.rm_file(target)
+
+
+def _mtime(info: Mapping[str, Any]) -> float:
+    """Modification time from an fsspec info dict (keys differ per backend); 0.0 when unknown."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+        value = info.get(key)
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, dt.datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return 0.0

@@ -1,0 +1,77 @@
+"""Shared fixtures: a moto S3 server for the whole session, fresh buckets, DRAM scratch roots."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shoal.testing.s3 import S3Admin, moto_s3_server
+
+_FAKE_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_SECURITY_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """Endpoint URL of a moto S3 server on 127.0.0.1 (ephemeral port), for the whole session.
+
+    While it runs, the AWS credential variables are set to fake values and instance
+    metadata lookups are disabled, so nothing can reach real AWS even by accident.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in _FAKE_AWS_ENV.items():
+            mp.setenv(name, value)
+        mp.delenv("AWS_PROFILE", raising=False)
+        with moto_s3_server() as endpoint:
+            yield endpoint
+
+
+@pytest.fixture(scope="session")
+def s3_admin(s3_endpoint: str) -> Iterator[S3Admin]:
+    """Direct boto3 access to the test server (buckets, ground truth)."""
+    admin = S3Admin(s3_endpoint)
+    yield admin
+    admin.close()
+
+
+@pytest.fixture(scope="session")
+def s3_options(s3_admin: S3Admin) -> dict[str, Any]:
+    """fsspec storage options for the test server."""
+    return s3_admin.storage_options()
+
+
+@pytest.fixture
+def s3_url(s3_admin: S3Admin) -> str:
+    """``s3://<fresh bucket>/root``: an empty shared-tier root on the test server."""
+    return f"s3://{s3_admin.create_bucket()}/root"
+
+
+@pytest.fixture
+def shm_path(tmp_path: Path) -> Iterator[Path]:
+    """A fresh, empty directory on tmpfs (``/dev/shm``; ``tmp_path`` where there is none), removed after."""
+    if not os.path.isdir("/dev/shm"):
+        yield tmp_path
+        return
+    path = Path(tempfile.mkdtemp(prefix="shoal-test-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def dram_root(shm_path: Path) -> Path:
+    """The DRAM tier root of a test's Checkpointer: a private directory on tmpfs."""
+    return shm_path

@@ -1,0 +1,327 @@
+"""Retention: the pure plan (what to keep, what is garbage) and the crash-safe order of deletes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shoal.engine.retention import RetentionPlan, apply_retention, pack_ids_on, plan_retention
+from shoal.errors import MissingFile, TierError
+from shoal.format import layout
+from shoal.format.chunking import digest
+from shoal.format.manifest import Manifest, PackRecord
+from shoal.format.names import check_relpath
+from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities, iter_byte_views
+
+
+class DictTier(Tier):
+    """An in-memory tier that records every delete, in order."""
+
+    kind = "memory"
+    capabilities = TierCapabilities(persistent=False, host_local=True, atomic_rename=False)
+
+    def __init__(self, files: Mapping[str, bytes] | None = None) -> None:
+        self.files: dict[str, bytes] = dict(files or {})
+        self.deleted: list[str] = []
+
+    @property
+    def url(self) -> str:
+        return "memory://test"
+
+    def write(self, path: str, data: Data) -> int:
+        payload = b"".join(bytes(v) for v in iter_byte_views(data))
+        self.files[check_relpath(path)] = payload
+        return len(payload)
+
+    def read(self, path: str) -> bytes:
+        if path not in self.files:
+            raise MissingFile(f"{self.url}/{path}")
+        return self.files[path]
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        data = self.read(path)[offset : offset + length]
+        if len(data) != length:
+            raise TierError(f"{self.url}/{path}: short read")
+        return data
+
+    def exists(self, path: str) -> bool:
+        return path in self.files
+
+    def info(self, path: str) -> FileInfo:
+        return FileInfo(path, len(self.read(path)), 0.0)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return sorted(p for p in self.files if p.startswith(prefix))
+
+    def delete(self, path: str) -> None:
+        self.deleted.append(check_relpath(path))
+        self.files.pop(path, None)
+
+
+def _pid(step: int, n: int = 0) -> str:
+    return f"{step:012d}-host-r0-{n:08x}"
+
+
+def _manifest(step: int, packs: list[str]) -> Manifest:
+    return Manifest(
+        job="job",
+        step=step,
+        created=time.time(),
+        chunk_size=4 << 20,
+        items={},
+        locations={},
+        packs={p: PackRecord(10, digest(p.encode())) for p in packs},
+    )
+
+
+def _plan(**overrides: Any) -> RetentionPlan:
+    args: dict[str, Any] = {
+        "committed": [1, 2, 3, 4, 5],
+        "manifests": {s: _manifest(s, [_pid(s)]) for s in range(1, 6)},
+        "latest": 5,
+        "keep_last": 2,
+        "pack_ids": [_pid(s) for s in range(1, 6)],
+        "horizon": 5,
+    }
+    return plan_retention(**(args | overrides))
+
+
+# --- plan_retention ------------------------------------------------------------------------------
+
+
+def test_keeps_the_newest_committed_and_deletes_the_rest() -> None:
+    plan = _plan()
+    assert plan.keep_steps == (4, 5)
+    assert plan.delete_steps == (1, 2, 3)
+    assert plan.delete_packs == (_pid(1), _pid(2), _pid(3))
+    assert plan.reason == ""
+
+
+def test_latest_is_kept_even_when_older_than_keep_last() -> None:
+    plan = _plan(latest=2)
+    assert plan.keep_steps == (2, 4, 5)
+    assert plan.delete_steps == (1, 3)
+    assert _pid(2) not in plan.delete_packs
+
+
+def test_keep_last_none_keeps_everything_committed() -> None:
+    plan = _plan(keep_last=None)
+    assert plan.keep_steps == (1, 2, 3, 4, 5) and plan.delete_steps == () and plan.delete_packs == ()
+
+
+def test_keep_last_larger_than_history_keeps_everything() -> None:
+    assert _plan(keep_last=50).delete_steps == ()
+
+
+def test_keep_last_zero_keeps_only_latest() -> None:
+    plan = _plan(keep_last=0, latest=5)
+    assert plan.keep_steps == (5,) and plan.delete_steps == (1, 2, 3, 4)
+    assert _plan(keep_last=0, latest=None).delete_steps == (1, 2, 3, 4, 5)
+
+
+def test_negative_keep_last_is_refused() -> None:
+    with pytest.raises(ValueError, match="keep_last"):
+        _plan(keep_last=-1)
+
+
+def test_a_pack_shared_with_a_kept_manifest_survives() -> None:
+    # Step 5 dedups against the chunks in step 1's pack: that pack must stay.
+    manifests = {s: _manifest(s, [_pid(s)]) for s in range(1, 6)}
+    manifests[5] = _manifest(5, [_pid(5), _pid(1)])
+    plan = _plan(manifests=manifests)
+    assert plan.delete_steps == (1, 2, 3)
+    assert plan.delete_packs == (_pid(2), _pid(3))
+
+
+def test_packs_newer_than_the_horizon_are_never_touched() -> None:
+    # Step 7 is in flight: its pack exists but no manifest refers to it yet.
+    plan = _plan(pack_ids=[_pid(s) for s in range(1, 6)] + [_pid(7), _pid(6, 1)], horizon=5)
+    assert _pid(7) not in plan.delete_packs and _pid(6, 1) not in plan.delete_packs
+    plan = _plan(pack_ids=[_pid(s) for s in range(1, 6)] + [_pid(7)], horizon=7)
+    assert _pid(7) in plan.delete_packs
+
+
+def test_steps_newer_than_the_horizon_are_never_deleted() -> None:
+    manifests = {s: _manifest(s, [_pid(s)]) for s in range(1, 9)}
+    plan = _plan(committed=[1, 2, 3, 4, 5], manifests=manifests, horizon=5, keep_last=1)
+    assert plan.delete_steps == (1, 2, 3, 4)
+    assert not set(plan.delete_steps) & {6, 7, 8}
+
+
+def test_packs_with_foreign_names_are_left_alone() -> None:
+    plan = _plan(pack_ids=[_pid(s) for s in range(1, 6)] + ["not-a-shoal-pack", "42-x"])
+    assert "not-a-shoal-pack" not in plan.delete_packs and "42-x" not in plan.delete_packs
+
+
+def test_unreadable_kept_manifest_means_no_pack_is_deleted() -> None:
+    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)]) for s in range(1, 6)}
+    manifests[4] = None
+    plan = _plan(manifests=manifests)
+    assert plan.delete_steps == (1, 2, 3)
+    assert plan.delete_packs == ()
+    assert "4" in plan.reason and "unreadable" in plan.reason
+
+
+def test_unreadable_uncommitted_step_is_left_alone_and_blocks_pack_gc() -> None:
+    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)]) for s in range(1, 6)}
+    manifests[3] = None
+    plan = _plan(committed=[1, 2, 4, 5], manifests=manifests)
+    assert plan.delete_steps == (1, 2)
+    assert plan.delete_packs == ()
+
+
+def test_unreadable_committed_step_can_be_deleted_and_gc_goes_on() -> None:
+    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)]) for s in range(1, 6)}
+    manifests[1] = None
+    plan = _plan(manifests=manifests)
+    assert plan.delete_steps == (1, 2, 3)
+    assert plan.delete_packs == (_pid(1), _pid(2), _pid(3))
+
+
+def test_abandoned_uncommitted_step_below_the_horizon_is_deleted() -> None:
+    plan = _plan(committed=[1, 2, 4, 5], keep_last=3)
+    assert plan.keep_steps == (2, 4, 5)
+    assert plan.delete_steps == (1, 3)
+
+
+@st.composite
+def tier_states(draw: st.DrawFn) -> dict[str, Any]:
+    steps = sorted(draw(st.sets(st.integers(0, 30), max_size=10)))
+    packs = {s: [_pid(s, n) for n in range(draw(st.integers(0, 2)))] for s in steps}
+    all_packs = [p for ps in packs.values() for p in ps]
+    extra = draw(st.lists(st.integers(0, 40), max_size=4))
+    manifests: dict[int, Manifest | None] = {}
+    for s in steps:
+        if draw(st.integers(0, 9)) == 0:
+            manifests[s] = None
+        else:
+            reused = draw(st.lists(st.sampled_from(all_packs), max_size=3)) if all_packs else []
+            manifests[s] = _manifest(s, sorted(set(packs[s] + reused)))
+    return {
+        "committed": [s for s in steps if draw(st.booleans())],
+        "manifests": manifests,
+        "latest": draw(st.none() | st.sampled_from(steps)) if steps else None,
+        "keep_last": draw(st.none() | st.integers(0, 4)),
+        "pack_ids": all_packs + [_pid(e, 99) for e in extra] + ["foreign"],
+        "horizon": draw(st.integers(0, 40)),
+    }
+
+
+@settings(max_examples=300, deadline=None)
+@given(tier_states())
+def test_retention_plan_is_safe(state: dict[str, Any]) -> None:
+    plan = plan_retention(**state)
+    manifests: dict[int, Manifest | None] = state["manifests"]
+    committed = sorted(set(state["committed"]))
+    keep_last, latest, horizon = state["keep_last"], state["latest"], state["horizon"]
+    newest = committed if keep_last is None else committed[len(committed) - keep_last :]
+    deleted = set(plan.delete_steps)
+    # The newest keep_last committed checkpoints and LATEST are kept, and never deleted.
+    assert set(newest) <= set(plan.keep_steps)
+    if latest is not None:
+        assert latest in plan.keep_steps
+    assert not deleted & set(plan.keep_steps)
+    # Nothing newer than the horizon is touched.
+    assert all(s <= horizon for s in deleted)
+    for pid in plan.delete_packs:
+        step = layout.pack_step(pid)
+        assert step is not None and step <= horizon
+    # Only steps that exist are deleted, and uncommitted ones only if their manifest was readable.
+    assert deleted <= set(manifests)
+    assert all(s in committed or manifests[s] is not None for s in deleted)
+    survivors = [s for s in manifests if s not in deleted]
+    if any(manifests[s] is None for s in survivors):
+        assert plan.delete_packs == () and plan.reason
+    for s in survivors:
+        m = manifests[s]
+        assert m is None or not set(m.packs) & set(plan.delete_packs)
+    assert set(plan.delete_packs) <= set(state["pack_ids"])
+
+
+# --- apply_retention -----------------------------------------------------------------------------
+
+
+def _tier_with(steps: list[int], pack_bytes: int = 10) -> DictTier:
+    tier = DictTier()
+    for s in steps:
+        tier.files[layout.manifest_path(s)] = b"{}"
+        tier.files[layout.commit_path(s)] = b"{}"
+        tier.files[layout.pack_path(_pid(s))] = b"x" * pack_bytes
+        tier.files[layout.index_path(_pid(s))] = b"{}"
+    tier.files[layout.LATEST] = b"{}"
+    return tier
+
+
+def test_apply_deletes_commit_then_manifest_then_packs() -> None:
+    tier = _tier_with([1, 2, 3], pack_bytes=7)
+    plan = RetentionPlan(keep_steps=(3,), delete_steps=(1, 2), delete_packs=(_pid(1), _pid(2)))
+    freed = apply_retention(tier, plan)
+    assert freed == 14
+    order = tier.deleted
+    for s in (1, 2):
+        assert order.index(layout.commit_path(s)) < order.index(layout.manifest_path(s))
+    last_step_delete = max(i for i, p in enumerate(order) if p.startswith(layout.STEPS_DIR + "/"))
+    first_pack_delete = min(i for i, p in enumerate(order) if p.startswith(layout.PACKS_DIR + "/"))
+    assert last_step_delete < first_pack_delete
+    assert sorted(tier.files) == sorted(
+        [
+            layout.LATEST,
+            layout.manifest_path(3),
+            layout.commit_path(3),
+            layout.pack_path(_pid(3)),
+            layout.index_path(_pid(3)),
+        ]
+    )
+
+
+def test_apply_tolerates_files_already_gone() -> None:
+    tier = _tier_with([1])
+    del tier.files[layout.pack_path(_pid(1))]
+    del tier.files[layout.commit_path(1)]
+    plan = RetentionPlan(keep_steps=(), delete_steps=(1, 9), delete_packs=(_pid(1), _pid(8)))
+    assert apply_retention(tier, plan) == 0
+    assert tier.files == {layout.LATEST: b"{}"}
+
+
+def test_apply_an_empty_plan_deletes_nothing() -> None:
+    tier = _tier_with([1, 2])
+    before = dict(tier.files)
+    assert apply_retention(tier, RetentionPlan((1, 2), (), ())) == 0
+    assert tier.files == before and tier.deleted == []
+
+
+def test_apply_logs_why_packs_were_left_alone(caplog: pytest.LogCaptureFixture) -> None:
+    tier = _tier_with([1])
+    with caplog.at_level(logging.WARNING, logger="shoal.engine.retention"):
+        apply_retention(tier, RetentionPlan((1,), (), (), reason="unreadable manifests for steps [1]"))
+    assert "unreadable manifests" in caplog.text and tier.url in caplog.text
+
+
+def test_pack_ids_on_lists_packs_and_orphan_indexes() -> None:
+    tier = _tier_with([1, 2])
+    del tier.files[layout.pack_path(_pid(2))]
+    tier.files[layout.index_path(_pid(3))] = b"{}"
+    tier.files["packs/README"] = b""
+    assert pack_ids_on(tier) == [_pid(1), _pid(2), _pid(3)]
+
+
+def test_plan_then_apply_end_to_end() -> None:
+    tier = _tier_with([1, 2, 3, 4])
+    manifests = {s: _manifest(s, [_pid(s)] + ([_pid(1)] if s == 4 else [])) for s in range(1, 5)}
+    plan = plan_retention(
+        committed=[1, 2, 3, 4],
+        manifests=manifests,
+        latest=4,
+        keep_last=1,
+        pack_ids=pack_ids_on(tier),
+        horizon=4,
+    )
+    apply_retention(tier, plan)
+    assert pack_ids_on(tier) == [_pid(1), _pid(4)]
+    assert tier.list(layout.STEPS_DIR + "/") == [layout.commit_path(4), layout.manifest_path(4)]
