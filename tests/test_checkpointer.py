@@ -160,3 +160,18 @@ def test_skip_when_every_slot_is_in_flight(tmp_path, dram_root):
             first.wait(timeout=60)
     finally:
         failpoints.configure(None)
+
+
+def test_shared_tier_on_s3_round_trip_and_incremental(tmp_path, dram_root, s3_url, s3_options, s3_admin):
+    config = make_config(tmp_path, dram_root, shared=s3_url, storage_options=s3_options)
+    state = {"w": torch.randn(100_000), "b": torch.arange(10), "note": "on s3"}
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(1, state).wait(timeout=60)
+        first = pack_bytes_on(ckpt.shared)
+        ckpt.save(2, state).wait(timeout=60)
+        assert pack_bytes_on(ckpt.shared) == first  # nothing re-uploaded
+        assert ckpt.latest() == 2
+    with shoal.Checkpointer(config) as fresh:
+        out = zeros_like_state(state)
+        assert fresh.load(out) == 2
+    assert_state_equal(out, state)

@@ -39,7 +39,7 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> floa
     opt.zero_grad()
     loss.backward()
     opt.step()
-    return float(loss)
+    return loss.item()
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:

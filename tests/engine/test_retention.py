@@ -115,8 +115,15 @@ def test_keep_last_none_keeps_everything_committed() -> None:
     assert plan.keep_steps == (1, 2, 3, 4, 5) and plan.delete_steps == () and plan.delete_packs == ()
 
 
-def test_keep_last_larger_than_history_keeps_everything() -> None:
-    assert _plan(keep_last=50).delete_steps == ()
+@pytest.mark.parametrize("keep_last", [5, 6, 7, 9, 50])
+def test_keep_last_at_least_the_history_keeps_everything(keep_last: int) -> None:
+    plan = _plan(keep_last=keep_last)
+    assert plan.keep_steps == (1, 2, 3, 4, 5) and plan.delete_steps == () and plan.delete_packs == ()
+
+
+@pytest.mark.parametrize("keep_last", range(1, 8))
+def test_keep_last_keeps_exactly_the_newest_n(keep_last: int) -> None:
+    assert _plan(keep_last=keep_last).keep_steps == tuple(range(1, 6))[-keep_last:]
 
 
 def test_keep_last_zero_keeps_only_latest() -> None:

@@ -52,7 +52,7 @@ def plan_retention(
         raise ValueError(f"keep_last must be None or >= 0, got {keep_last}")
     committed = sorted(set(committed))
     # Not committed[-keep_last:]: with keep_last == 0 that slice is the whole list.
-    keep = set(committed if keep_last is None else committed[len(committed) - keep_last :])
+    keep = set(committed if keep_last is None else committed[max(0, len(committed) - keep_last) :])
     if latest is not None:
         keep.add(latest)
     # An uncommitted step with an unreadable manifest may be torn mid-write by a live writer: left alone.
