@@ -175,3 +175,12 @@ def test_shared_tier_on_s3_round_trip_and_incremental(tmp_path, dram_root, s3_ur
         out = zeros_like_state(state)
         assert fresh.load(out) == 2
     assert_state_equal(out, state)
+
+
+def test_close_gives_the_dram_slabs_back(config):
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(1, {"w": torch.randn(10_000)}).wait(timeout=60)
+        slabs = os.path.join(ckpt.dram.url, "slabs")
+        assert os.listdir(slabs)  # the slab of the save (and the warmed spare) live in /dev/shm
+        ckpt.wait()
+    assert os.listdir(slabs) == []

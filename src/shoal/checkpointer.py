@@ -295,7 +295,8 @@ class Checkpointer:
             return
         if self._warmer is not None:
             self._warmer.join()
-        self._ring.close()
+        # Every checkpoint is finished: the staged copies are redundant, give /dev/shm back.
+        self._ring.close(release_memory=True)
         for tier in (self.shared, self.dram):
             tier.close()
 

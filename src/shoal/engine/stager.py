@@ -210,11 +210,19 @@ class SlotRing:
         with self._cond:
             return any(not s.in_flight and (s.slab is None or s.slab.capacity < nbytes) for s in self._slots)
 
-    def close(self) -> None:
-        """Unmap every slab (the ring must not be used afterwards)."""
+    def close(self, *, release_memory: bool = False) -> None:
+        """Unmap every slab (the ring must not be used afterwards).
+
+        With ``release_memory`` the slab files are deleted too, returning their memory
+        to ``/dev/shm``; call it only when nothing staged is still needed (every
+        checkpoint finished). Without it the slabs stay for a restarted process.
+        """
+        delete = getattr(self._dram, "delete_slab", None)
         with self._cond:
             for slot in self._slots:
                 close = getattr(slot.slab, "close", None)
                 if close is not None:
                     close()
+                if release_memory and slot.slab is not None and delete is not None:
+                    delete(slot.name)
                 slot.slab = None
