@@ -15,7 +15,8 @@ def _python_blocks() -> list[str]:
 def test_readme_quickstart_runs(tmp_path, dram_root, capsys):
     quickstart = next(b for b in _python_blocks() if "shoal.Checkpointer(cfg)" in b)
     code = quickstart.replace('"/tmp/shoal-quickstart"', repr(str(tmp_path / "shared")))
-    code = code.replace("keep_last=3)", f"keep_last=3, dram={str(dram_root)!r}, local={str(tmp_path / 'local')!r})")
+    roots = f"dram={str(dram_root)!r}, local={str(tmp_path / 'local')!r}"
+    code = code.replace("keep_last=3)", f"keep_last=3, {roots})")
     assert code != quickstart
     exec(compile(code, str(README), "exec"), {})
     out = capsys.readouterr().out

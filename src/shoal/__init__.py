@@ -15,9 +15,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from shoal import dcp
+from typing import TYPE_CHECKING
+
 from shoal.boundary import Boundary
-from shoal.checkpointer import Checkpointer
 from shoal.config import Config
 from shoal.engine.handle import SaveHandle
 from shoal.errors import (
@@ -35,6 +35,25 @@ from shoal.errors import (
     TierError,
     UnsupportedFormat,
 )
+
+if TYPE_CHECKING:
+    from shoal import dcp
+    from shoal.checkpointer import Checkpointer
+
+
+def __getattr__(name: str) -> object:
+    # Checkpointer and shoal.dcp import torch.distributed.checkpoint (seconds): load them on first use,
+    # so that `shoal ls` and friends start fast.
+    if name == "Checkpointer":
+        from shoal.checkpointer import Checkpointer
+
+        return Checkpointer
+    if name == "dcp":
+        import importlib
+
+        return importlib.import_module("shoal.dcp")
+    raise AttributeError(f"module 'shoal' has no attribute {name!r}")
+
 
 __all__ = [
     "Boundary",

@@ -1,0 +1,215 @@
+"""``shoal export --format safetensors``: every tensor of a checkpoint as safetensors files.
+
+A tensor DCP saved in shards (several write items for one FQN, each at its offsets in
+the full tensor) is assembled into the whole tensor; the chunks must cover it exactly.
+One ``model.safetensors``, or, when the tensors exceed ``max_shard_size``,
+``model-00001-of-0000N.safetensors`` files and a ``model.safetensors.index.json``
+(``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``) as Hugging Face
+lays them out. Tensor names are the flattened DCP FQNs (``model.layers.0.weight``),
+optionally filtered and shortened by ``strip_prefix``.
+
+What safetensors cannot hold is skipped and named through ``warn`` (or, with
+``strict``, refused with :class:`~shoal.cli.common.CliError`): objects that are not
+tensors (``epoch``, an optimizer's ``lr``), and tensors of dtypes the installed
+safetensors has no code for (``complex128``, ``float8_e8m0fnu``, ... depending on its
+version). Shards are held in memory one at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from shoal.cli.common import CliError
+from shoal.cli.source import item_tensor, output_dir, storage_keys, write_durably
+from shoal.engine.store import ItemReader
+from shoal.errors import FormatError
+from shoal.format.manifest import Manifest
+from shoal.tiers.base import Tier
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _safetensors() -> ModuleType:
+    try:
+        import safetensors.torch
+    except ImportError as e:
+        raise CliError(
+            "exporting safetensors needs the safetensors package: pip install safetensors "
+            "(or pip install 'shoal[dev]')"
+        ) from e
+    return safetensors.torch
+
+
+@functools.cache
+def supported_dtype(dtype: torch.dtype) -> bool:
+    """Whether the installed safetensors can store ``dtype`` (asked by saving an empty tensor)."""
+    try:
+        _safetensors().save({"probe": torch.empty(0, dtype=dtype)})
+    except Exception:  # noqa: BLE001 - safetensors raises various errors for an unknown dtype
+        return False
+    return True
+
+
+def _nbytes(meta: TensorStorageMetadata) -> int:
+    numel = 1
+    for n in meta.size:
+        numel *= n
+    return numel * torch.empty((), dtype=meta.properties.dtype).element_size()
+
+
+def plan_shards(sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
+    """Tensor names in shards of at most ``max_shard_size`` bytes (a bigger tensor gets its own)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > max_shard_size:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def _assemble(
+    reader: ItemReader,
+    manifest: Manifest,
+    keys: dict[tuple[str, tuple[int, ...] | None], str],
+    fqn: str,
+    meta: TensorStorageMetadata,
+    advance: Callable[[int], None],
+) -> torch.Tensor:
+    """The whole tensor ``fqn``: its one stored item, or its DCP chunks copied into place."""
+
+    def chunk_tensor(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        key = keys.get((fqn, offsets))
+        if key is None:
+            raise FormatError(
+                f"step {manifest.step}: tensor {fqn!r} has no stored item for its chunk at {list(offsets)}"
+            )
+        rec = manifest.items[key]
+        part = item_tensor(reader.read(key), rec)
+        advance(rec.nbytes)
+        if tuple(part.shape) != sizes or part.dtype != meta.properties.dtype:
+            raise FormatError(
+                f"step {manifest.step}: tensor {fqn!r}: chunk at {list(offsets)} is stored as "
+                f"{part.dtype} {list(part.shape)}, the DCP metadata says "
+                f"{meta.properties.dtype} {list(sizes)}"
+            )
+        return part
+
+    size = tuple(meta.size)
+    chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
+    if len(chunks) == 1 and chunks[0] == ((0,) * len(size), size):
+        return chunk_tensor(*chunks[0])
+    full = torch.empty(size, dtype=meta.properties.dtype)
+    covered = 0
+    for offsets, sizes in chunks:
+        part = chunk_tensor(offsets, sizes)
+        target = full
+        for dim, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
+            target = target.narrow(dim, o, n)
+        target.copy_(part)
+        covered += part.numel()
+    if covered != full.numel():
+        raise FormatError(
+            f"step {manifest.step}: tensor {fqn!r} {list(size)}: its {len(chunks)} chunks hold {covered} "
+            f"elements, the tensor has {full.numel()}; cannot assemble it"
+        )
+    return full
+
+
+def export_safetensors(
+    tier: Tier,
+    manifest: Manifest,
+    md: Metadata,
+    out_dir: Path,
+    *,
+    max_shard_size: int = 5 * 10**9,
+    strip_prefix: str = "",
+    strict: bool = False,
+    overwrite: bool = False,
+    advance: Callable[[int], None] = lambda n: None,
+    warn: Callable[[str], object] = print,
+) -> list[Path]:
+    """Write the tensors of ``manifest``'s checkpoint as safetensors in ``out_dir``; return the files."""
+    st = _safetensors()
+    by_index = storage_keys(manifest, md)
+    keys = {(i.fqn, tuple(i.offset) if i.offset is not None else None): k for i, k in by_index.items()}
+    sizes: dict[str, int] = {}
+    tensors: dict[str, tuple[str, TensorStorageMetadata]] = {}
+    objects: list[str] = []
+    unsupported: list[str] = []
+    for fqn, meta in md.state_dict_metadata.items():
+        if strip_prefix and not (fqn.startswith(strip_prefix) and len(fqn) > len(strip_prefix)):
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            objects.append(fqn)
+        elif not supported_dtype(meta.properties.dtype):
+            unsupported.append(f"{fqn} ({str(meta.properties.dtype).removeprefix('torch.')})")
+        else:
+            name = fqn[len(strip_prefix) :]
+            tensors[name] = (fqn, meta)
+            sizes[name] = _nbytes(meta)
+    for what, names in (
+        ("objects that are not tensors", objects),
+        ("tensors of dtypes safetensors lacks", unsupported),
+    ):
+        if not names:
+            continue
+        if strict:
+            raise CliError(
+                f"safetensors cannot hold the checkpoint's {what}: {', '.join(names)} "
+                "(drop --strict to skip them)"
+            )
+        warn(f"skipped {len(names)} {what}: {', '.join(names)}")
+    if not tensors:
+        raise CliError(
+            f"step {manifest.step} has no tensors to export"
+            + (f" under {strip_prefix!r}" if strip_prefix else "")
+        )
+    shards = plan_shards(sizes, max_shard_size)
+    n = len(shards)
+    names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    stale = (
+        [SINGLE_FILE, INDEX_FILE] + [p.name for p in out_dir.glob("model-*-of-*.safetensors")]
+        if out_dir.is_dir()
+        else []
+    )
+    metadata = {"format": "pt", "shoal_job": manifest.job, "shoal_step": str(manifest.step)}
+    umask = os.umask(0)
+    os.umask(umask)
+    with output_dir(out_dir, stale, overwrite=overwrite) as written:
+        reader = ItemReader(tier, manifest)
+        for file_name, shard in zip(names, shards, strict=True):
+            data = {name: _assemble(reader, manifest, keys, *tensors[name], advance) for name in shard}
+            path = out_dir / file_name
+            written.append(path)
+            tmp = path.with_name(path.name + ".tmp")
+            st.save_file(data, str(tmp), metadata=metadata)
+            del data
+            os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; give the usual mode
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            tmp.replace(path)
+        if n > 1:
+            index = {
+                "metadata": {"total_size": sum(sizes.values())},
+                "weight_map": {
+                    name: file_name for file_name, shard in zip(names, shards, strict=True) for name in shard
+                },
+            }
+            written.append(out_dir / INDEX_FILE)
+            write_durably(written[-1], lambda f: f.write(json.dumps(index, indent=2).encode()))
+    return written

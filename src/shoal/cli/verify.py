@@ -1,0 +1,401 @@
+"""``shoal verify``: re-hash every chunk of every item, and every referenced pack as a whole.
+
+Each pack is read once, front to back: its chunks are hashed as they pass (a chunk that
+many items or steps share lies at one place and is hashed once) and every byte also
+feeds the pack's whole-file BLAKE3, which is checked against the manifests' pack
+records and the pack's ``.idx``. Nothing stops at the first problem: every bad chunk
+is reported with the step, item, chunk index, pack and offset of each use of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+
+from shoal.cli.common import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    byte_progress,
+    human_bytes,
+    missing_step,
+    open_job,
+    print_json,
+    stdout_console,
+)
+from shoal.engine.store import CheckpointInfo, list_checkpoints, read_pointer
+from shoal.errors import CheckpointNotFound, MissingFile, ShoalError
+from shoal.format import layout
+from shoal.format.chunking import digest
+from shoal.format.manifest import Manifest, PackRecord
+from shoal.format.pack import decode_index
+from shoal.tiers.base import Tier
+
+_BLOCK = 8 << 20
+"""Bytes read at a time between chunks (and for packs whose chunks overlap)."""
+
+
+@dataclass(frozen=True)
+class Use:
+    """One use of a chunk: chunk ``chunk`` of item ``item`` of ``step``, at ``item_offset`` in the item."""
+
+    step: int
+    item: str
+    chunk: int
+    item_offset: int
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong, with as much of (step, item, chunks, pack, offsets) as applies."""
+
+    message: str
+    step: int | None = None
+    item: str | None = None
+    chunks: tuple[int, ...] = ()
+    pack: str | None = None
+    offsets: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "item": self.item,
+            "chunks": list(self.chunks),
+            "pack": self.pack,
+            "offsets": list(self.offsets),
+            "message": self.message,
+        }
+
+
+@dataclass
+class Report:
+    steps: list[int]
+    packs: int = 0
+    chunks: int = 0
+    bytes_read: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class _PackWork:
+    """What the selected manifests expect of one pack: its record and the chunks they use in it."""
+
+    pack_id: str
+    record: PackRecord
+    spans: dict[tuple[int, int, str], list[Use]] = field(default_factory=lambda: defaultdict(list))
+
+
+def select(tier: Tier, step: int | None) -> list[CheckpointInfo]:
+    infos = list_checkpoints(tier)
+    if step is None:
+        if not infos:
+            raise CheckpointNotFound(f"no checkpoints under {tier.url}")
+        return infos
+    chosen = [i for i in infos if i.step == step]
+    if not chosen:
+        raise missing_step(tier, step)
+    return chosen
+
+
+def _check_latest(tier: Tier, infos: list[CheckpointInfo]) -> list[Problem]:
+    where = f"{tier.url}/{layout.LATEST}"
+    try:
+        latest = read_pointer(tier, layout.LATEST)
+    except ShoalError as e:
+        return [Problem(f"{layout.LATEST}: {e}")]
+    if latest is None:
+        return []
+    if latest.step not in {i.step for i in infos}:
+        return [Problem(f"{where} names step {latest.step}, which has no manifest", step=latest.step)]
+    try:
+        commit = read_pointer(tier, layout.commit_path(latest.step))
+    except ShoalError as e:
+        return [Problem(f"step {latest.step}: {e}", step=latest.step)]
+    if commit is None:
+        return [Problem(f"{where} names step {latest.step}, which has no commit record", step=latest.step)]
+    if commit.manifest_blake3 != latest.manifest_blake3:
+        return [
+            Problem(
+                f"{where} says step {latest.step}'s manifest has BLAKE3 {latest.manifest_blake3}, "
+                f"its commit record says {commit.manifest_blake3}",
+                step=latest.step,
+            )
+        ]
+    return []
+
+
+def _plan(tier: Tier, manifests: list[Manifest]) -> tuple[dict[str, _PackWork], list[Problem]]:
+    """Group every chunk use of ``manifests`` by pack and by (offset, length, digest)."""
+    packs: dict[str, _PackWork] = {}
+    problems: list[Problem] = []
+    for m in manifests:
+        for pid, rec in sorted(m.packs.items()):
+            work = packs.setdefault(pid, _PackWork(pid, rec))
+            if work.record != rec:
+                problems.append(
+                    Problem(
+                        f"pack {tier.url}/{layout.pack_path(pid)}: step {m.step}'s manifest records "
+                        f"{rec.size} bytes with BLAKE3 {rec.blake3}, an earlier step's records "
+                        f"{work.record.size} bytes with BLAKE3 {work.record.blake3}",
+                        step=m.step,
+                        pack=f"{tier.url}/{layout.pack_path(pid)}",
+                    )
+                )
+        for key in m.items:
+            for i, (dig, item_offset, _) in enumerate(m.chunk_spans(key)):
+                loc = m.locations[dig]
+                packs[loc.pack].spans[(loc.offset, loc.length, dig)].append(Use(m.step, key, i, item_offset))
+    return packs, problems
+
+
+def _uses_problem(message: str, where: str, uses: Iterable[Use], offset: int, length: int) -> list[Problem]:
+    return [
+        Problem(
+            f"step {u.step} item {u.item!r} chunk {u.chunk} "
+            f"(item bytes {u.item_offset}..{u.item_offset + length}): {message}",
+            step=u.step,
+            item=u.item,
+            chunks=(u.chunk,),
+            pack=where,
+            offsets=(offset,),
+        )
+        for u in uses
+    ]
+
+
+def _missing_pack(where: str, work: _PackWork) -> list[Problem]:
+    per_item: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)
+    for (offset, _, _), uses in work.spans.items():
+        for u in uses:
+            per_item[(u.step, u.item)].append((u.chunk, offset))
+    steps = sorted({s for s, _ in per_item})
+    problems = [
+        Problem(
+            f"pack {where} is missing: it holds {len(work.spans)} chunks used by {len(per_item)} items "
+            f"of steps {', '.join(map(str, steps))}",
+            pack=where,
+        )
+    ]
+    for (step, item), found in sorted(per_item.items()):
+        found.sort()
+        chunks = tuple(c for c, _ in found)
+        offsets = tuple(o for _, o in found)
+        listed = ", ".join(f"{c} (pack offset {o})" for c, o in found[:8])
+        more = f" and {len(found) - 8} more" if len(found) > 8 else ""
+        problems.append(
+            Problem(
+                f"step {step} item {item!r} chunk(s) {listed}{more}: pack {where} is missing",
+                step=step,
+                item=item,
+                chunks=chunks,
+                pack=where,
+                offsets=offsets,
+            )
+        )
+    return problems
+
+
+def _check_index(tier: Tier, work: _PackWork, where: str) -> list[Problem]:
+    """The pack's ``.idx`` must exist, parse, and agree with the manifests on digest, size and chunks."""
+    path = layout.index_path(work.pack_id)
+    idx_where = f"{tier.url}/{path}"
+    try:
+        index = decode_index(tier.read(path), idx_where)
+    except MissingFile:
+        return [Problem(f"pack index {idx_where} is missing", pack=where)]
+    except ShoalError as e:
+        return [Problem(str(e), pack=where)]
+    problems = []
+    if (index.size, index.blake3) != (work.record.size, work.record.blake3):
+        problems.append(
+            Problem(
+                f"pack index {idx_where} says {index.size} bytes with BLAKE3 {index.blake3}; "
+                f"the manifests say {work.record.size} bytes with BLAKE3 {work.record.blake3}",
+                pack=where,
+            )
+        )
+    listed = {(e.offset, e.length, e.digest) for e in index.entries}
+    absent = sorted(span for span in work.spans if span not in listed)
+    if absent:
+        off, length, dig = absent[0]
+        problems.append(
+            Problem(
+                f"pack index {idx_where} does not list {len(absent)} chunk(s) the manifests place in "
+                f"the pack (first: {dig} at offset {off}, {length} bytes)",
+                pack=where,
+                offsets=tuple(a[0] for a in absent),
+            )
+        )
+    return problems
+
+
+def verify_pack(
+    tier: Tier, work: _PackWork, advance: Callable[[int], None]
+) -> tuple[int, int, list[Problem]]:
+    """Hash every used chunk of one pack and the whole pack; return (chunks, bytes read, problems)."""
+    path = layout.pack_path(work.pack_id)
+    where = f"{tier.url}/{path}"
+    try:
+        size = tier.info(path).size
+    except MissingFile:
+        return 0, 0, _missing_pack(where, work)
+    problems = _check_index(tier, work, where)
+    expected = work.record
+    if size != expected.size:
+        problems.append(
+            Problem(
+                f"pack {where} is {size} bytes; the manifests say {expected.size} (truncated?)", pack=where
+            )
+        )
+    longest = max((length for _, length, _ in work.spans), default=0)
+    scratch = memoryview(bytearray(max(longest, _BLOCK)))
+    whole = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    streaming = True  # the whole-file digest is fed as the chunks pass; off after an overlap
+    pos = nread = 0
+
+    def read(offset: int, length: int) -> memoryview:
+        nonlocal nread
+        view = scratch[:length]
+        tier.read_range_into(path, offset, view)
+        nread += length
+        advance(length)
+        return view
+
+    def feed(start: int, stop: int) -> None:
+        for at in range(start, stop, _BLOCK):
+            whole.update(read(at, min(_BLOCK, stop - at)))
+
+    for (offset, length, dig), uses in sorted(work.spans.items()):
+        if offset + length > size:
+            msg = f"pack {where} offset {offset} length {length} lies past the end of the pack ({size} bytes)"
+            problems += _uses_problem(msg, where, uses, offset, length)
+            streaming = False
+            continue
+        if offset < pos:
+            streaming = False
+        try:
+            if streaming:
+                feed(pos, offset)
+            data = read(offset, length)
+            if streaming:
+                whole.update(data)
+                pos = offset + length
+            actual = digest(data)
+        except ShoalError as e:
+            msg = f"pack {where} offset {offset}: read failed: {e}"
+            problems += _uses_problem(msg, where, uses, offset, length)
+            streaming = False
+            continue
+        if actual != dig:
+            msg = f"pack {where} offset {offset} length {length} has BLAKE3 {actual}, expected {dig}"
+            problems += _uses_problem(msg, where, uses, offset, length)
+    if size == expected.size:
+        try:
+            if streaming:
+                feed(pos, size)
+            else:
+                whole = blake3.blake3(max_threads=blake3.blake3.AUTO)
+                feed(0, size)
+            if whole.hexdigest() != expected.blake3:
+                problems.append(
+                    Problem(
+                        f"pack {where}: whole-file BLAKE3 is {whole.hexdigest()}, expected {expected.blake3}",
+                        pack=where,
+                    )
+                )
+        except ShoalError as e:
+            problems.append(Problem(f"pack {where}: read failed: {e}", pack=where))
+    return len(work.spans), nread, problems
+
+
+def verify(tier: Tier, step: int | None = None, *, jobs: int = 4, progress: bool = True) -> Report:
+    """Verify ``step`` (None: every step) on ``tier``; see the module docstring."""
+    infos = select(tier, step)
+    report = Report([i.step for i in infos])
+    manifests = []
+    for info in infos:
+        if info.manifest is None:
+            report.problems.append(Problem(f"step {info.step}: {info.problem}", step=info.step))
+        else:
+            manifests.append(info.manifest)
+    if step is None or any(m.step == step for m in manifests):
+        latest = _check_latest(tier, infos)
+        report.problems += [p for p in latest if step is None or p.step == step]
+    packs, problems = _plan(tier, manifests)
+    report.problems += problems
+    report.packs = len(packs)
+    total = sum(w.record.size for w in packs.values())
+    with byte_progress("verifying", total, enabled=progress) as bar:
+        task = bar.task_ids[0]
+
+        def advance(n: int) -> None:
+            bar.advance(task, n)
+
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            results = pool.map(lambda w: verify_pack(tier, w, advance), [packs[p] for p in sorted(packs)])
+            for chunks, nread, found in results:
+                report.chunks += chunks
+                report.bytes_read += nread
+                report.problems += found
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    tier = open_job(args)
+    try:
+        report = verify(tier, args.step, jobs=args.jobs, progress=not args.json)
+    finally:
+        tier.close()
+    if args.json:
+        print_json(
+            {
+                "url": tier.url,
+                "ok": report.ok,
+                "steps": report.steps,
+                "packs": report.packs,
+                "chunks": report.chunks,
+                "bytes_read": report.bytes_read,
+                "problems": [p.to_json() for p in report.problems],
+            }
+        )
+        return EXIT_OK if report.ok else EXIT_PROBLEMS
+    out = stdout_console()
+    for p in report.problems:
+        out.print(f"PROBLEM: {p.message}")
+    steps = ", ".join(map(str, report.steps))
+    summary = (
+        f"steps {steps}: {report.packs} packs, {report.chunks} chunks, {human_bytes(report.bytes_read)} "
+        f"re-hashed under {tier.url}"
+    )
+    if report.ok:
+        out.print(f"OK: {summary}")
+        return EXIT_OK
+    out.print(f"FAILED: {len(report.problems)} problem(s); {summary}")
+    return EXIT_PROBLEMS
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "verify",
+        parents=parents,
+        help="re-hash every chunk and pack; exit 1 on any problem",
+        description="Re-hash every chunk of every item of the chosen steps, and every pack they use as a "
+        "whole file, against the digests in the manifests and pack indexes. Prints every problem "
+        "(step, item, chunk index, pack, offset); exit status 0 if all is well, 1 otherwise.",
+    )
+    p.add_argument("url", nargs="?", help="the job directory (<shared>/<job>), a path or fsspec URL")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="verify this step only")
+    which.add_argument("--all", action="store_true", help="verify every step (the default)")
+    p.add_argument("--jobs", type=int, default=4, metavar="N", help="packs verified at once (default 4)")
+    p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    p.set_defaults(run=run)

@@ -1,0 +1,296 @@
+"""``shoal export``: stock DCP directories and safetensors files from real checkpoints."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+import shoal
+from shoal.cli.export_safetensors import supported_dtype
+from shoal.cli.main import main
+from shoal.format import layout
+from shoal.testing.checkpoints import assert_state_equal, bits, make_config, rich_state, zeros_like_state
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+class RowShards(torch.Tensor):
+    """A tensor DCP saves as blocks of ``rows`` rows, each its own write item (like a sharded DTensor)."""
+
+    rows: int
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, rows: int) -> RowShards:
+        t = torch.Tensor._make_subclass(cls, data)
+        t.rows = rows
+        return t
+
+    def _blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        full = self.as_subclass(torch.Tensor)
+        for start in range(0, full.shape[0], self.rows):
+            yield start, full[start : start + self.rows]
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
+        full = self.as_subclass(torch.Tensor)
+        props = TensorProperties.create_from_tensor(full)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size([start] + [0] * (full.dim() - 1))),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size([start] + [0] * (full.dim() - 1)), block.shape),
+                    properties=props,
+                    size=full.shape,
+                ),
+            )
+            for start, block in self._blocks()
+        ]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        assert index.offset is not None
+        return next(block.contiguous() for start, block in self._blocks() if start == index.offset[0])
+
+
+@pytest.fixture
+def config(tmp_path: Path, dram_root: Path) -> shoal.Config:
+    return make_config(tmp_path, dram_root)
+
+
+def save(config: shoal.Config, *states: dict[str, Any]) -> str:
+    """Save ``states`` as steps 1, 2, ... and return the job directory."""
+    with shoal.Checkpointer(config) as ckpt:
+        for step, state in enumerate(states, start=1):
+            ckpt.save(step, state).wait(shoal.Boundary.RESTARTABLE, timeout=60)
+    return config.shared_url()
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def dcp_load(state: dict[str, Any], path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP's "assuming a single process" notice
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+
+
+def flat_tensors(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            out[prefix + k] = v
+        elif isinstance(v, dict):
+            out |= flat_tensors(v, f"{prefix}{k}.")
+    return out
+
+
+def sharded_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": RowShards(torch.randn(10, 6, generator=g), rows=4),
+        "emb": RowShards(torch.randn(9, 3, generator=g).bfloat16(), rows=3),
+        "b": torch.arange(6),
+        "step": 12,
+    }
+
+
+def plain(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: v.as_subclass(torch.Tensor).clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()
+    }
+
+
+# -- dcp -----------------------------------------------------------------------------------------
+
+
+def test_export_dcp_loads_bit_exact_with_the_stock_filesystem_reader(config, tmp_path, capsys):
+    state = rich_state()
+    url = save(config, state)
+    out_dir = tmp_path / "dcp"
+    code, out, err = run(capsys, "export", url, "--format", "dcp", str(out_dir))
+    assert code == 0, err
+    assert "exported step 1" in out
+    assert sorted(p.name for p in out_dir.iterdir()) == [".metadata", "__0_0.distcp"]
+    target = zeros_like_state(state)
+    dcp_load(target, out_dir)
+    assert_state_equal(target, state)
+    # and the stock converter reads it too
+    dcp_to_torch_save(out_dir, tmp_path / "model.pt")
+    assert_state_equal(torch.load(tmp_path / "model.pt", weights_only=False), state)
+
+
+def test_export_dcp_writes_the_layout_filesystem_writer_writes(config, tmp_path, capsys):
+    state = rich_state()
+    url = save(config, state)
+    assert run(capsys, "export", url, "--format", "dcp", str(tmp_path / "ours"))[0] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "stock"), no_dist=True)
+    ours = pickle.loads((tmp_path / "ours" / ".metadata").read_bytes())
+    stock = pickle.loads((tmp_path / "stock" / ".metadata").read_bytes())
+    assert ours.state_dict_metadata == stock.state_dict_metadata
+    assert ours.planner_data == stock.planner_data
+    assert ours.version == stock.version
+    assert set(ours.storage_data) == set(stock.storage_data)
+    assert {i.relative_path for i in ours.storage_data.values()} == {"__0_0.distcp"}
+    sizes = [(tmp_path / d / "__0_0.distcp").stat().st_size for d in ("ours", "stock")]
+    assert sizes[0] == sizes[1]
+
+
+def test_export_dcp_of_a_sharded_tensor_loads_whole(config, tmp_path, capsys):
+    state = sharded_state()
+    url = save(config, state)
+    items = json.loads(Path(url, layout.manifest_path(1)).read_bytes())["items"]
+    assert {"w@0_0", "w@4_0", "w@8_0", "emb@6_0"} <= set(items)
+    code, _, err = run(capsys, "export", url, "--format", "dcp", str(tmp_path / "out"))
+    assert code == 0, err
+    expected = plain(state)
+    target = zeros_like_state(expected)
+    dcp_load(target, tmp_path / "out")
+    assert_state_equal(target, expected)
+
+
+def test_export_picks_the_step(config, tmp_path, capsys):
+    first, second = {"w": torch.zeros(5)}, {"w": torch.ones(5)}
+    url = save(config, first, second)
+    for step, expected in ((None, second), (1, first)):
+        out_dir = tmp_path / f"step-{step}"
+        argv = ["export", url, "--format", "dcp", str(out_dir)] + (["--step", str(step)] if step else [])
+        assert run(capsys, *argv)[0] == 0
+        target = {"w": torch.full((5,), 7.0)}
+        dcp_load(target, out_dir)
+        assert torch.equal(target["w"], expected["w"])
+    code, _, err = run(capsys, "export", url, "--format", "dcp", "--step", "5", str(tmp_path / "x"))
+    assert code == 2 and "no checkpoint for step 5" in err and "steps present: 1, 2" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_export_refuses_a_non_empty_directory_unless_overwrite(config, tmp_path, capsys):
+    url = save(config, {"w": torch.arange(4)})
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "notes.txt").write_text("mine")
+    code, _, err = run(capsys, "export", url, "--format", "dcp", str(out_dir))
+    assert code == 2 and "not empty" in err and "--overwrite" in err
+    assert run(capsys, "export", url, "--format", "dcp", "--overwrite", str(out_dir))[0] == 0
+    assert (out_dir / "notes.txt").read_text() == "mine" and (out_dir / ".metadata").exists()
+
+
+def test_a_corrupted_chunk_fails_the_export_and_leaves_nothing_behind(config, tmp_path, capsys):
+    url = save(config, {"w": torch.randn(1000), "v": torch.randn(10)})
+    manifest = json.loads(Path(url, layout.manifest_path(1)).read_bytes())
+    pack, offset, _ = manifest["locations"][manifest["items"]["w"]["chunks"][0]]
+    pack_file = Path(url, layout.pack_path(pack))
+    data = bytearray(pack_file.read_bytes())
+    data[offset] ^= 0xFF
+    pack_file.write_bytes(bytes(data))
+    for fmt in ("dcp", "safetensors"):
+        out_dir = tmp_path / fmt
+        code, out, err = run(capsys, "export", url, "--format", fmt, str(out_dir))
+        assert code == 2 and out == ""
+        assert "item 'w'" in err and "chunk 0" in err and f"offset {offset}" in err and "Traceback" not in err
+        assert not out_dir.exists()
+
+
+# -- safetensors ---------------------------------------------------------------------------------
+
+
+def test_export_safetensors_holds_every_tensor_and_names_what_it_skips(config, tmp_path, capsys):
+    state = rich_state()
+    url = save(config, state)
+    code, out, err = run(capsys, "export", url, "--format", "safetensors", str(tmp_path / "st"))
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "st").iterdir()) == ["model.safetensors"]
+    loaded = safetensors_torch.load_file(tmp_path / "st" / "model.safetensors")
+    tensors = flat_tensors(state)
+    unsupported = {k for k, t in tensors.items() if not supported_dtype(t.dtype)}
+    assert set(loaded) == set(tensors) - unsupported
+    for name, t in loaded.items():
+        assert t.dtype == tensors[name].dtype and t.shape == tensors[name].shape, name
+        assert torch.equal(bits(t), bits(tensors[name])), name
+    assert "skipped 4 objects that are not tensors: optim.lr, nested.deeper.list_obj, epoch, name" in err
+    for name in unsupported:
+        assert name in err
+
+
+def test_export_safetensors_assembles_shards_and_splits_files_by_size(config, tmp_path, capsys):
+    state = sharded_state()
+    url = save(config, state)
+    out_dir = tmp_path / "st"
+    code, _, err = run(
+        capsys, "export", url, "--format", "safetensors", "--max-shard-size", "100B", str(out_dir)
+    )
+    assert code == 0, err
+    index = json.loads((out_dir / "model.safetensors.index.json").read_bytes())
+    expected = {k: v for k, v in plain(state).items() if isinstance(v, torch.Tensor)}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in expected.values())
+    assert set(index["weight_map"]) == set(expected)
+    files = sorted(set(index["weight_map"].values()))
+    assert files == [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]  # 240 B, 54 B, 48 B
+    loaded: dict[str, torch.Tensor] = {}
+    for name in files:
+        loaded |= safetensors_torch.load_file(out_dir / name)
+    assert_state_equal(loaded, expected)
+
+
+def test_export_safetensors_strip_prefix_selects_and_renames(config, tmp_path, capsys):
+    state = rich_state()
+    url = save(config, state)
+    out_dir = tmp_path / "st"
+    code, _, err = run(
+        capsys, "export", url, "--format", "safetensors", "--strip-prefix", "optim.state.", str(out_dir)
+    )
+    assert code == 0, err
+    loaded = safetensors_torch.load_file(out_dir / "model.safetensors")
+    assert sorted(loaded) == ["0.exp_avg", "0.step"]
+    assert torch.equal(loaded["0.exp_avg"], state["optim"]["state"]["0"]["exp_avg"])
+
+
+def test_export_safetensors_strict_refuses_what_it_cannot_hold(config, tmp_path, capsys):
+    url = save(config, {"w": torch.ones(3), "epoch": 3})
+    code, _, err = run(capsys, "export", url, "--format", "safetensors", "--strict", str(tmp_path / "st"))
+    assert code == 2 and "objects that are not tensors: epoch" in err
+    assert not (tmp_path / "st").exists()
+
+
+def test_export_safetensors_without_the_package_says_how_to_get_it(config, tmp_path, capsys, monkeypatch):
+    url = save(config, {"w": torch.ones(3)})
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    code, _, err = run(capsys, "export", url, "--format", "safetensors", str(tmp_path / "st"))
+    assert code == 2 and "pip install safetensors" in err
+
+
+# -- object storage ------------------------------------------------------------------------------
+
+
+def test_ls_verify_and_export_over_s3_with_storage_options(s3_url, s3_options, dram_root, tmp_path, capsys):
+    config = make_config(tmp_path, dram_root, shared=s3_url, storage_options=s3_options)
+    state = {"w": torch.randn(50_000), "b": torch.arange(10), "epoch": 2}
+    url = save(config, state)
+    options = json.dumps(s3_options)
+    code, out, err = run(capsys, "ls", url, "--storage-options", options, "--json")
+    assert code == 0, err
+    assert [c["step"] for c in json.loads(out)["checkpoints"]] == [1]
+    assert run(capsys, "verify", "--shared", s3_url, "--job", "test", "--storage-options", options)[0] == 0
+    code, _, err = run(
+        capsys, "export", url, "--storage-options", options, "--format", "dcp", str(tmp_path / "d")
+    )
+    assert code == 0, err
+    target = zeros_like_state(state)
+    dcp_load(target, tmp_path / "d")
+    assert_state_equal(target, state)
