@@ -94,7 +94,7 @@ def main() -> None:
     )
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--tensor-mib", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--root", default=None, help="directory for shared-tier and DCP output (default: a temp dir)"
     )
