@@ -73,6 +73,7 @@ def run(root: str, *, steps: int = 24, every: int = 6, dram: str | None = None) 
                     handles.append(h)
             for h in handles:
                 h.wait(shoal.Boundary.RESTARTABLE, timeout=120)
+            ckpt.wait()  # retention runs after each commit, in the background
             print("\ncheckpoint  " + "  ".join(f"{b.label:>15}" for b in shoal.Boundary))
             for h in handles:
                 print(

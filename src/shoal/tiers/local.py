@@ -34,6 +34,14 @@ def is_temp_name(name: str) -> bool:
     return _TEMP_NAME.fullmatch(name) is not None
 
 
+def check_tier_path(path: str) -> str:
+    """``check_relpath`` plus: never the name of a write in progress. Returns ``path``."""
+    check_relpath(path)
+    if is_temp_name(path.rsplit("/", 1)[-1]):
+        raise InvalidName(f"tier path {path!r} looks like the temporary file of a write in progress")
+    return path
+
+
 def temp_sibling(target: str) -> str:
     """A fresh temporary path next to ``target`` (same directory, so the rename is atomic)."""
     directory, name = os.path.split(target)
@@ -165,10 +173,7 @@ class PosixTier(Tier):
 
     def _check_path(self, path: str) -> str:
         """Validate ``path``; subclasses refuse reserved areas. Returns ``path``."""
-        check_relpath(path)
-        if is_temp_name(path.rsplit("/", 1)[-1]):
-            raise InvalidName(f"tier path {path!r} looks like the temporary file of a write in progress")
-        return path
+        return check_tier_path(path)
 
     def _abs(self, path: str) -> str:
         return os.path.join(self._root, self._check_path(path))

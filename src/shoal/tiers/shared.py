@@ -26,9 +26,8 @@ import fsspec.utils
 from fsspec.implementations.local import LocalFileSystem
 
 from shoal.errors import InvalidName, MissingFile, ShoalError, TierError
-from shoal.format.names import check_relpath
 from shoal.tiers.base import CommitStrategy, Data, FileInfo, Tier, TierCapabilities, iter_byte_views
-from shoal.tiers.local import AtomicRenameCommit, check_prefix, is_temp_name
+from shoal.tiers.local import AtomicRenameCommit, check_prefix, check_tier_path, is_temp_name
 
 try:  # botocore errors are not OSErrors; only s3fs users have botocore
     from botocore.exceptions import BotoCoreError, ClientError
@@ -117,10 +116,7 @@ class FsspecTier(Tier):
         return self._url
 
     def _abs(self, path: str) -> str:
-        check_relpath(path)
-        if is_temp_name(path.rsplit("/", 1)[-1]):
-            raise InvalidName(f"tier path {path!r} looks like the temporary file of a write in progress")
-        return f"{self._root}/{path}"
+        return f"{self._root}/{check_tier_path(path)}"
 
     @contextmanager
     def _wrap(self, action: str, path: str, *, missing: bool = False) -> Iterator[None]:
