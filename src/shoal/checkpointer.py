@@ -24,15 +24,20 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from shoal.boundary import Boundary
 from shoal.config import Config
+from shoal.engine.catalog import ChunkCatalog
 from shoal.engine.events import EventLog
+from shoal.engine.group_save import PipelineContext, SaveJob
 from shoal.engine.handle import SaveHandle
-from shoal.engine.pipeline import Pipeline, SaveJob
+from shoal.engine.pipeline import Pipeline
 from shoal.engine.stager import Slot, SlotRing, StagedItem, StageEntry, stage_into
 from shoal.engine.store import list_checkpoints, read_pointer, resolve_manifest
-from shoal.errors import CheckpointExists, ConfigError
+from shoal.errors import CheckpointExists, ConfigError, ShoalError
 from shoal.format import layout
+from shoal.format.chunking import Hasher
 from shoal.format.dcp_codec import encode_metadata
-from shoal.format.manifest import Manifest, WorldInfo
+from shoal.format.manifest import Manifest
+from shoal.group.fabric import Fabric
+from shoal.group.topology import build_topology
 from shoal.tiers import open_tier
 
 log = logging.getLogger(__name__)
@@ -67,48 +72,78 @@ class Checkpointer:
     """Saves and loads a job's checkpoints through shoal's tiers.
 
     Create one per process, after ``torch.distributed.init_process_group`` if the
-    job is distributed. ``save`` and ``load`` are collective: every rank calls them
-    with the same step, in the same order. Use it as a context manager, or call
-    :meth:`close`; at interpreter exit, in-flight checkpoints are finished (up to
-    ``Config.close_timeout`` seconds).
-
-    This release saves and loads with one process (``world_size == 1``);
-    multi-rank jobs are refused with a clear error until group save lands.
+    job is distributed: construction is collective (it creates shoal's background
+    gloo group and learns which ranks share a host). ``save`` and ``load`` are
+    collective too: every rank calls them with the same step, in the same order.
+    Use it as a context manager, or call :meth:`close`; at interpreter exit,
+    in-flight checkpoints are finished (up to ``Config.close_timeout`` seconds).
     """
 
     def __init__(self, config: Config) -> None:
         if not isinstance(config, Config):
             raise ConfigError(f"Checkpointer needs a shoal.Config, got {type(config).__name__}")
-        self.config = cfg = config.resolved()
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
-        if self.world_size > 1:
-            raise ConfigError(
-                f"this shoal release checkpoints single-process jobs; the job has {self.world_size} ranks "
-                "(multi-host group save is the next milestone)"
-            )
+        self.config = cfg = config.resolved(self.rank)
         assert cfg.host_id is not None and cfg.local is not None
         self.host = cfg.host_id
+        rank_hosts, domains = self._gather_hosts()
+        replicate = cfg.path == "partner" or (cfg.path == "auto" and len(set(rank_hosts)) > 1)
+        self.topology = build_topology(
+            rank_hosts, scheme=cfg.partner_scheme, domains=domains, replicate=replicate
+        )
         self.shared = open_tier("shared", cfg.shared_url(), cfg.storage_options)
         self.dram = open_tier("dram", cfg.host_url(cfg.dram))
+        host_tier = None
+        if replicate:
+            host_tier = (
+                self.dram if cfg.replicate_to == "dram" else open_tier("local", cfg.host_url(cfg.local))
+            )
+        self._host_tier = host_tier
         self._ring = SlotRing(self.dram, cfg.dram_slots, prefix=f"r{self.rank}-")  # type: ignore[arg-type]
         self._events = EventLog(cfg.event_log, host=self.host, rank=self.rank)
-        self._pipeline = Pipeline(
+        fabric = Fabric.create(cfg.collective_timeout)
+        context = PipelineContext(
+            fabric=fabric,
+            topology=self.topology,
             shared=self.shared,
-            ring=self._ring,
-            rank=self.rank,
-            host=self.host,
+            host_tier=host_tier,
             chunk_size=cfg.chunk_size,
-            keep_last=cfg.keep_last,
+            replicate=replicate,
             events=self._events,
-            hash_threads=cfg.hash_threads,
+            hasher=Hasher(cfg.hash_threads),
+            dcp_timeout=cfg.collective_timeout,
+            dram=self.dram,
         )
+        if host_tier is not None and context.is_host_leader:
+            context.host_catalog = ChunkCatalog.scan(host_tier, committed_only=False)
+        self._pipeline = Pipeline(context, self._ring, keep_last=cfg.keep_last)
         self._lock = threading.Lock()
-        self._staging: dict[int, tuple[SaveHandle, Slot]] = {}
+        self._staging: dict[int, SaveJob] = {}
         self._closed = False
         self._warmer: threading.Thread | None = None
         atexit.register(self._at_exit)
+
+    def _gather_hosts(self) -> tuple[list[str], dict[str, str]]:
+        """Collective: every rank's host id, and each host's failure domain."""
+        mine = (self.host, self.config.failure_domain or self.host)
+        everyone: list[Any] = [mine]
+        if self.world_size > 1:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, mine)
+        domains: dict[str, str] = {}
+        for host, domain in everyone:
+            if domains.setdefault(host, domain) != domain:
+                raise ConfigError(
+                    f"ranks of host {host!r} disagree on its failure domain ({domains[host]!r}, {domain!r})"
+                )
+        return [h for h, _ in everyone], domains
+
+    @property
+    def replicating(self) -> bool:
+        """Whether checkpoints go through partner hosts (B2 before B3), not straight to shared storage."""
+        return self._host_tier is not None
 
     def __repr__(self) -> str:
         return f"Checkpointer(shared={self.shared.url!r}, host={self.host!r}, rank={self.rank})"
@@ -123,10 +158,11 @@ class Checkpointer:
     def save(self, step: int, state_dict: Mapping[str, Any]) -> SaveHandle:
         """Stage ``state_dict`` as checkpoint ``step`` and return at B1 (collective).
 
-        The returned handle reaches B2/B3 when the bytes are on shared storage and
-        B4 when the commit record and ``LATEST`` are written. If every DRAM slot is
-        still in flight, ``save`` waits (``Config.on_busy="wait"``, time counted in
-        the handle's B1 time) or returns a skipped handle (``"skip"``).
+        The returned handle reaches B2 when every new chunk and the manifest are on two
+        hosts, B3 when they are on shared storage and B4 when the commit record and
+        ``LATEST`` are written. If every DRAM slot is still in flight, ``save`` waits
+        (``Config.on_busy="wait"``, time counted in the handle's B1 time) or returns a
+        skipped handle (``"skip"``, decided by all ranks together).
 
         Raises:
             CheckpointExists: ``step`` is committed on the shared tier or in flight.
@@ -136,10 +172,16 @@ class Checkpointer:
         started = time.perf_counter()
         self._check_open()
         layout.check_step(step)
-        self._check_new_step(step)
+        if self._agree_to_skip(step):
+            handle = SaveHandle(step, started=started, skipped=True)
+            self._events.emit("skipped", step, in_flight=self._ring.in_flight_steps())
+            log.warning(
+                "step %d skipped: every DRAM slot is in flight (%s)", step, self._ring.in_flight_steps()
+            )
+            return handle
         from shoal import dcp as shoal_dcp
 
-        writer = shoal_dcp.StorageWriter(self, step, _started=started)
+        writer = shoal_dcp.StorageWriter(self, step, _started=started, _managed=True)
         try:
             with _quiet_no_dist(), _unwrapped_errors():
                 torch_dcp.save(
@@ -151,31 +193,54 @@ class Checkpointer:
         except BaseException as e:
             self._abort_staging(step, e)
             raise
-        return writer.handle
+        # dcp.save returned: every rank has staged (DCP's last collective saw every write).
+        self._submit(step)
+        handle = writer.handle
+        handle._reach_at_least(Boundary.STAGED)
+        return handle
+
+    def _agree_to_skip(self, step: int) -> bool:
+        """Collective: refuse an existing step on every rank, and skip on every rank or none."""
+        problem = None
+        try:
+            self._check_new_step(step)
+        except CheckpointExists as e:
+            problem = str(e)
+        busy = self.config.on_busy == "skip" and not self._ring.has_free_slot()
+        votes = [(problem, busy)]
+        if self.world_size > 1:
+            votes = [None] * self.world_size  # type: ignore[list-item]
+            dist.all_gather_object(votes, (problem, busy))
+        problems = [p for p, _ in votes if p]
+        if problems:
+            raise CheckpointExists(problems[0])
+        return any(b for _, b in votes)
 
     def _check_new_step(self, step: int) -> None:
         if step in self._pipeline.in_flight() or step in self._staging:
             raise CheckpointExists(f"step {step} is already being checkpointed by this process")
-        if self.shared.exists(layout.commit_path(step)):
+        if self.rank == 0 and self.shared.exists(layout.commit_path(step)):
             raise CheckpointExists(
                 f"step {step} already exists at {self.shared.url}/{layout.step_dir(step)}; "
                 "checkpoints are immutable: save under a new step, or delete it first"
             )
 
     def _stage(
-        self, step: int, entries: Sequence[StageEntry], *, started: float
+        self, step: int, entries: Sequence[StageEntry], *, started: float, submit: bool
     ) -> tuple[SaveHandle, list[StagedItem] | None]:
-        """Copy ``entries`` into a free DRAM slot (the writer's ``write_data``); None items if skipped."""
+        """Copy ``entries`` into a free DRAM slot (the writer's ``write_data``); None items if skipped.
+
+        With ``submit`` the job goes to the pipeline at once (DCP used directly on a
+        non-coordinator rank, which never sees ``finish``); otherwise on :meth:`_submit`.
+        """
         self._check_open()
-        self._check_new_step(step)
+        if step in self._pipeline.in_flight() or step in self._staging:
+            raise CheckpointExists(f"step {step} is already being checkpointed by this process")
         self._events.emit("save_called", step, items=len(entries))
         slot, waited = self._ring.acquire(step, wait=self.config.on_busy == "wait")
         if slot is None:
             handle = SaveHandle(step, started=started, skipped=True)
             self._events.emit("skipped", step, in_flight=self._ring.in_flight_steps())
-            log.warning(
-                "step %d skipped: every DRAM slot is in flight (%s)", step, self._ring.in_flight_steps()
-            )
             return handle, None
         handle = SaveHandle(step, started=started)
         try:
@@ -183,10 +248,13 @@ class Checkpointer:
         except BaseException:
             self._ring.release(slot)
             raise
+        job = SaveJob(step, slot, handle, self.config.job)
         with self._lock:
-            self._staging[step] = (handle, slot)
+            self._staging[step] = job
         self._warm_other_slots(slot)
         self._events.emit("staged", step, bytes=sum(s.nbytes for s in staged), wait_seconds=waited)
+        if submit:
+            self._submit(step)
         return handle, staged
 
     def _warm_other_slots(self, slot: Slot) -> None:
@@ -201,30 +269,38 @@ class Checkpointer:
             )
             self._warmer.start()
 
-    def _submit(self, handle: SaveHandle, metadata: Metadata) -> None:
-        """Record B1 and hand the staged checkpoint to the pipeline (the writer's ``finish``)."""
-        if handle.skipped:
-            return
+    def _finish(self, step: int, metadata: Metadata, *, submit: bool) -> None:
+        """The coordinator's DCP ``finish``: keep the encoded metadata for the manifest."""
         with self._lock:
-            _, slot = self._staging.pop(handle.step)
+            job = self._staging.get(step) or self._pipeline.job(step)
+        if job is None:
+            return  # skipped
         try:
-            encoded = encode_metadata(metadata)
+            job.dcp = encode_metadata(metadata)
         except BaseException as e:
-            self._ring.release(slot)
-            handle._fail(Boundary.STAGED, e)
+            job.aborted = f"{type(e).__name__}: {e}"
             raise
-        elapsed = handle._reach(Boundary.STAGED)
-        self._events.emit("boundary", handle.step, boundary=Boundary.STAGED.name, seconds=elapsed)
-        world = WorldInfo(self.world_size, (self.host,), 1)
-        self._pipeline.submit(SaveJob(handle.step, slot, handle, self.config.job, world, encoded))
+        finally:
+            job.dcp_ready.set()
+        if submit:
+            self._submit(step)
+
+    def _submit(self, step: int) -> None:
+        """Hand the staged checkpoint to the pipeline; non-coordinators have no DCP metadata to wait for."""
+        with self._lock:
+            job = self._staging.pop(step, None)
+        if job is None:
+            return  # skipped, or already submitted
+        if self.rank != 0:
+            job.dcp_ready.set()
+        self._pipeline.submit(job)
 
     def _abort_staging(self, step: int, error: BaseException) -> None:
         with self._lock:
-            pending = self._staging.pop(step, None)
-        if pending is not None:
-            handle, slot = pending
-            self._ring.release(slot)
-            handle._fail(Boundary.STAGED, error)
+            job = self._staging.pop(step, None)
+        if job is not None:
+            self._ring.release(job.slot)
+            job.handle._fail(Boundary.STAGED, error)
 
     # -- load ----------------------------------------------------------------
     def load(self, state_dict: Mapping[str, Any], step: int | None = None) -> int:
@@ -243,8 +319,9 @@ class Checkpointer:
         self._pipeline.flush()
         from shoal import dcp as shoal_dcp
 
-        # Resolved here, not inside dcp.load, so a missing checkpoint raises CheckpointNotFound as itself.
-        reader = shoal_dcp.StorageReader(self, _manifest=self._resolve_manifest(step))
+        # Resolved here, not inside dcp.load, so a missing checkpoint raises CheckpointNotFound as itself;
+        # the coordinator chooses, so every rank loads the same step.
+        reader = shoal_dcp.StorageReader(self, _manifest=self._agree_on_manifest(step))
         target = state_dict if isinstance(state_dict, dict) else dict(state_dict)
         t0 = time.perf_counter()
         with _quiet_no_dist(), _unwrapped_errors():
@@ -252,6 +329,23 @@ class Checkpointer:
         assert reader.step is not None
         self._events.emit("loaded", reader.step, bytes=reader.bytes_read, seconds=time.perf_counter() - t0)
         return reader.step
+
+    def _agree_on_manifest(self, step: int | None) -> Manifest:
+        """Collective: the coordinator resolves ``step`` (None: LATEST); every rank reads that manifest."""
+        if self.world_size == 1:
+            return self._resolve_manifest(step)
+        chosen: tuple[int | None, BaseException | None] = (None, None)
+        if self.rank == 0:
+            try:
+                chosen = (self._resolve_manifest(step).step, None)
+            except ShoalError as e:
+                chosen = (None, e)
+        box = [chosen]
+        dist.broadcast_object_list(box, src=0)
+        chosen_step, error = box[0]
+        if error is not None:
+            raise error
+        return self._resolve_manifest(chosen_step)
 
     def _resolve_manifest(self, step: int | None) -> Manifest:
         return resolve_manifest(self.shared, step)

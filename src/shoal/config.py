@@ -15,6 +15,8 @@ from shoal.format.names import check_identifier
 
 PATHS = ("auto", "partner", "direct")
 ON_BUSY = ("wait", "skip")
+REPLICATE_TO = ("local", "dram")
+PARTNER_SCHEMES = ("ring", "jump")
 ENV_HOST_ID = "SHOAL_HOST_ID"
 
 
@@ -48,7 +50,16 @@ class Config:
         host_id: this host's name; defaults to ``$SHOAL_HOST_ID`` or the hostname.
         storage_options: passed to fsspec for the shared tier (endpoint, credentials).
         event_log: JSON-lines event log path; defaults to ``<local>/<job>/<host>/events.jsonl``.
+        ranks_per_node: ranks per host when host names do not tell (simulations); by default
+            ranks are grouped by ``host_id`` (``$SHOAL_HOST_ID``, else the hostname).
         close_timeout: seconds ``close()`` (and interpreter exit) waits for in-flight work.
+        replicate_to: where a partner host keeps its copy: ``"local"`` (fsync'd node-local
+            disk) or ``"dram"`` (its ``/dev/shm``; faster, lost with the host's power).
+        partner_scheme: ``"ring"`` (host i's partner is host i+1) or ``"jump"`` (host i + n/2).
+        failure_domain: this host's failure domain (rack, PDU); hosts of one domain are
+            never partners. Defaults to the host itself.
+        collective_timeout: seconds a background collective may wait for the other ranks
+            before the checkpoint is failed.
     """
 
     shared: str
@@ -66,6 +77,10 @@ class Config:
     event_log: str | None = None
     ranks_per_node: int | None = None
     close_timeout: float = 600.0
+    replicate_to: str = "local"
+    partner_scheme: str = "ring"
+    failure_domain: str | None = None
+    collective_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.shared, str) or not self.shared:
@@ -74,6 +89,8 @@ class Config:
             check_identifier(self.job, "Config.job")
             if self.host_id is not None:
                 check_identifier(self.host_id, "Config.host_id")
+            if self.failure_domain is not None:
+                check_identifier(self.failure_domain, "Config.failure_domain")
         except InvalidName as e:
             raise ConfigError(str(e)) from e
         if not isinstance(self.chunk_size, int) or not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
@@ -89,12 +106,29 @@ class Config:
             raise ConfigError(f"Config.keep_last must be None or an int >= 1, got {self.keep_last!r}")
         if not isinstance(self.dram_slots, int) or self.dram_slots < 1:
             raise ConfigError(f"Config.dram_slots must be an int >= 1, got {self.dram_slots!r}")
+        if self.replicate_to not in REPLICATE_TO:
+            raise ConfigError(f"Config.replicate_to must be one of {REPLICATE_TO}, got {self.replicate_to!r}")
+        if self.partner_scheme not in PARTNER_SCHEMES:
+            raise ConfigError(
+                f"Config.partner_scheme must be one of {PARTNER_SCHEMES}, got {self.partner_scheme!r}"
+            )
+        if not isinstance(self.collective_timeout, int | float) or self.collective_timeout <= 0:
+            raise ConfigError(
+                f"Config.collective_timeout must be > 0 seconds, got {self.collective_timeout!r}"
+            )
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ConfigError(f"Config.ranks_per_node must be >= 1, got {self.ranks_per_node!r}")
 
-    def resolved(self) -> Config:
-        """A copy with every default filled in from the environment (``SHOAL_HOST_ID``, hostname)."""
-        host = self.host_id or os.environ.get(ENV_HOST_ID) or _sanitize_host(socket.gethostname())
+    def resolved(self, rank: int = 0) -> Config:
+        """A copy with every default filled in for ``rank``, from the environment where needed.
+
+        The host id is, first found: ``host_id``; ``$SHOAL_HOST_ID``; ``node<rank // ranks_per_node>``
+        when ``ranks_per_node`` is set; the hostname (so torchrun's ranks of one node share it).
+        """
+        host = self.host_id or os.environ.get(ENV_HOST_ID)
+        if not host and self.ranks_per_node:
+            host = f"node{rank // self.ranks_per_node}"
+        host = host or _sanitize_host(socket.gethostname())
         local = self.local or default_local_root()
         log = self.event_log or os.path.join(local, self.job, host, "events.jsonl")
         try:

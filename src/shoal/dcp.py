@@ -21,6 +21,7 @@ the same step and calls ``dcp.save`` (``dcp.load``); the coordinator alone calls
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import io
 import os
 import time
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from shoal.boundary import Boundary
 from shoal.engine.handle import SaveHandle
 from shoal.engine.stager import StageEntry
 from shoal.engine.store import ItemReader
@@ -79,12 +81,45 @@ def _is_shard(item: WriteItem) -> bool:
 
 
 class SavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, shoal's entry point for placement.
+    """DCP's default save planner, with name-replicated items balanced across hosts.
 
-    On one host it plans exactly like :class:`DefaultSavePlanner` (replicated items
-    are written once, by the lowest rank holding them). It is the seam where
-    group save balances name-replicated items across hosts' storage paths.
+    DCP writes an item that several ranks hold under one name (a data-parallel
+    replica) once. DCP's own choice balances bytes per *rank*; this planner
+    balances them per *host* first (each host drains through one storage NIC),
+    then per rank within the host, longest item first. The host of each rank's
+    plan comes from shoal's :class:`StorageWriter` (``prepare_local_plan``); with
+    another writer every rank counts as its own host.
     """
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        hosts = [
+            p.storage_data if isinstance(p.storage_data, str) else f"rank-{i}"
+            for i, p in enumerate(all_plans)
+        ]
+        holders: dict[MetadataIndex, list[int]] = defaultdict(list)
+        size: dict[MetadataIndex, int] = {}
+        for i, plan in enumerate(all_plans):
+            for item in plan.items:
+                holders[item.index].append(i)
+                size[item.index] = item.tensor_storage_size() or 1
+        host_load: dict[str, int] = defaultdict(int)
+        rank_load = [0] * len(all_plans)
+        keep: dict[MetadataIndex, int] = {}
+        for index, plans in holders.items():
+            if len(plans) == 1:
+                keep[index] = plans[0]
+                host_load[hosts[plans[0]]] += size[index]
+                rank_load[plans[0]] += size[index]
+        shared = sorted((ix for ix, ps in holders.items() if len(ps) > 1), key=lambda ix: (-size[ix], ix.fqn))
+        for index in shared:
+            chosen = min(holders[index], key=lambda i: (host_load[hosts[i]], rank_load[i], i))
+            keep[index] = chosen
+            host_load[hosts[chosen]] += size[index]
+            rank_load[chosen] += size[index]
+        return [
+            dataclasses.replace(plan, items=[it for it in plan.items if keep[it.index] == i])
+            for i, plan in enumerate(all_plans)
+        ]
 
 
 class StorageWriter(_DcpStorageWriter):
@@ -96,10 +131,13 @@ class StorageWriter(_DcpStorageWriter):
     After ``dcp.save`` returns, :attr:`handle` tracks the checkpoint.
     """
 
-    def __init__(self, checkpointer: Checkpointer, step: int, *, _started: float | None = None) -> None:
+    def __init__(
+        self, checkpointer: Checkpointer, step: int, *, _started: float | None = None, _managed: bool = False
+    ) -> None:
         super().__init__()
         self.checkpointer = checkpointer
         self.step = step
+        self._managed = _managed  # Checkpointer.save submits the job itself once dcp.save returns
         self._started = time.perf_counter() if _started is None else _started
         self._handle: SaveHandle | None = None
         self._staged: Any = None
@@ -123,7 +161,8 @@ class StorageWriter(_DcpStorageWriter):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        # Tell shoal's SavePlanner which host this rank's plan comes from.
+        return dataclasses.replace(plan, storage_data=self.checkpointer.host)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return plans
@@ -143,7 +182,10 @@ class StorageWriter(_DcpStorageWriter):
                         f"item {key!r}: the planner resolved a {type(data).__name__}, not a tensor"
                     )
             entries.append(StageEntry(key, payload))
-        self._handle, staged = self.checkpointer._stage(self.step, entries, started=self._started)
+        early = not self._managed and not self.is_coordinator  # never sees finish()
+        self._handle, staged = self.checkpointer._stage(
+            self.step, entries, started=self._started, submit=early
+        )
         self._staged = staged
         sizes = {s.key: s.nbytes for s in staged} if staged is not None else {}
         for item, entry in zip(plan.items, entries, strict=True):
@@ -156,7 +198,10 @@ class StorageWriter(_DcpStorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
-        self.checkpointer._submit(self.handle, metadata)
+        self.checkpointer._finish(self.step, metadata, submit=not self._managed)
+        if not self._managed:
+            # every rank's write results reached finish(): every rank has staged
+            self.handle._reach_at_least(Boundary.STAGED)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

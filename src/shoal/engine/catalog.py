@@ -50,8 +50,10 @@ class ChunkCatalog:
         self.locations = {d: loc for d, loc in self.locations.items() if loc.pack not in gone}
 
     @classmethod
-    def scan(cls, tier: Tier) -> ChunkCatalog:
+    def scan(cls, tier: Tier, *, committed_only: bool = True) -> ChunkCatalog:
         """Build the catalog from every committed, readable checkpoint on ``tier``.
+
+        Host tiers have no commit records: scan them with ``committed_only=False``.
 
         Packs that are referenced but missing are left out (with a warning), so a new
         checkpoint never points at bytes that are not there.
@@ -60,7 +62,8 @@ class ChunkCatalog:
 
         cat = cls()
         for info in list_checkpoints(tier):
-            if info.boundary == Boundary.RESTARTABLE and info.manifest is not None:
+            committed = info.boundary == Boundary.RESTARTABLE or not committed_only
+            if committed and info.manifest is not None:
                 cat.add_manifest(info.manifest)
         missing = [pid for pid in cat.packs if not tier.exists(layout.pack_path(pid))]
         if missing:

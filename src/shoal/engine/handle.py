@@ -114,6 +114,17 @@ class SaveHandle:
             self._cond.notify_all()
             return elapsed
 
+    def _reach_at_least(self, boundary: Boundary) -> None:
+        """Record ``boundary`` unless it (or a later one) is recorded already.
+
+        For boundaries two parties may observe, such as B1: the training thread sees it
+        when ``dcp.save`` returns, the pipeline when every rank's report has arrived.
+        """
+        with self._cond:
+            if self._reached is not None and self._reached >= boundary:
+                return
+        self._reach(boundary)
+
     def _fail(self, boundary: Boundary, error: BaseException) -> None:
         with self._cond:
             self._error = error

@@ -178,6 +178,11 @@ class SlotRing:
             slot.in_flight = False
             self._cond.notify_all()
 
+    def has_free_slot(self) -> bool:
+        """Whether a save could stage now without waiting."""
+        with self._cond:
+            return any(not s.in_flight for s in self._slots)
+
     def in_flight_steps(self) -> list[int]:
         with self._cond:
             return [s.step for s in self._slots if s.in_flight and s.step is not None]

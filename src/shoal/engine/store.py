@@ -119,7 +119,12 @@ class ItemReader:
             raise ValueError(f"item {key!r} is {rec.nbytes} bytes, destination holds {out.nbytes}")
         scratch = memoryview(self._scratch)
         for i, (dig, item_off, length) in enumerate(self.manifest.chunk_spans(key)):
-            loc = self.manifest.locations[dig]
+            loc = self.manifest.locations.get(dig)
+            if loc is None:
+                raise MissingFile(
+                    f"item {key!r} of step {self.manifest.step}: chunk {i} ({dig}) is not held on "
+                    f"{self.tier.url} (a partial, host-tier manifest)"
+                )
             pack = layout.pack_path(loc.pack)
             view = scratch[:length]
             try:

@@ -92,6 +92,8 @@ class Manifest:
     stats: Stats = field(default_factory=Stats)
     shoal_version: str = "0"
     hash: str = HASH_NAME
+    partial: bool = False
+    """A host tier's copy: every item, but locations only for the chunks this tier holds."""
 
     def encode(self) -> bytes:
         """JSON bytes of this manifest (format ``shoal/1``)."""
@@ -128,12 +130,17 @@ class Manifest:
             "locations": {d: [loc.pack, loc.offset, loc.length] for d, loc in self.locations.items()},
             "dcp": self.dcp,
         }
+        if self.partial:
+            doc["partial"] = True
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     def chunk_spans(self, key: str) -> list[tuple[str, int, int]]:
         """``(digest, offset in item, length)`` for each chunk of item ``key``."""
         rec = self.items[key]
-        return [(d, i * self.chunk_size, self.locations[d].length) for i, d in enumerate(rec.chunks)]
+        return [
+            (d, off, min(self.chunk_size, rec.nbytes - off))
+            for d, off in ((d, i * self.chunk_size) for i, d in enumerate(rec.chunks))
+        ]
 
 
 class _Reader:
@@ -252,6 +259,9 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
             raise r.fail(at, f"bytes {off}..{off + length} lie past pack {pid!r}'s size {packs[pid].size}")
         locations[dig] = ChunkLocation(pid, off, length)
 
+    partial = doc.get("partial", False)
+    if not isinstance(partial, bool):
+        raise r.fail("partial", f"expected true or false, got {partial!r}")
     items: dict[str, ItemRecord] = {}
     for key, rec in r.obj(r.get(doc, "items", ""), "items").items():
         at = f"items[{key!r}]"
@@ -280,6 +290,8 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         for i, d in enumerate(chunks):
             r.checked(check_digest, d, f"{at}.chunks[{i}]")
             if d not in locations:
+                if partial:
+                    continue
                 raise r.fail(f"{at}.chunks[{i}]", f"chunk {d} has no entry in 'locations'")
             want = min(chunk_size, nbytes - i * chunk_size)
             if locations[d].length != want:
@@ -318,6 +330,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         dcp=dcp,
         stats=stats,
         shoal_version=r.string(version, "shoal_version"),
+        partial=partial,
     )
 
 

@@ -1,0 +1,135 @@
+"""Seconds the group save planner takes on its own, for 64 to 16,384 ranks (DESIGN.md section 3).
+
+Every rank reports ``--chunks`` chunks of 4 MiB in items of ``--chunks-per-item`` chunks; hosts
+hold ``--ranks-per-host`` ranks, partners by the ring scheme, nothing durable or held yet (a
+first checkpoint). Workloads:
+
+* ``dp``: pure data parallel: every rank holds the same chunks;
+* ``dp+zero``: data parallel plus ZeRO-like optimizer shards: ``--shared`` chunks held by every
+  rank, the rest (in two items) unique to each rank;
+* ``unique``: every chunk of every rank is different (fully sharded state).
+
+How the reports are built matters, and is not timed:
+
+* ``interned``: each rank has its own report objects and tuples, but equal digests are one
+  string object (what a coordinator gets if its exchange interns digests);
+* ``unpickled``: each rank's report is unpickled from its own bytes, as ``gather_object``
+  delivers it: every digest string of every rank is a separate object in memory. Comparing
+  them costs memory traffic no planner can avoid (about 25 ns a digest on a 2-core VM).
+
+The timed call is ``plan_group_save`` (a fresh plan), and ``PlanCache.lookup_or_plan`` for
+the same reports a second time (``cache hit``: layout and every digest compared, plan reused).
+Prints a Markdown table. Usage::
+
+    python benchmarks/planner.py --ranks 64 1024 16384 --inputs interned unpickled
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import pickle
+import statistics
+import time
+from collections.abc import Callable
+
+from shoal.group.planner import GroupPlan, ItemChunks, PlanCache, RankChunks, plan_group_save
+from shoal.group.topology import build_topology
+
+CHUNK = 4 << 20
+
+
+def _digests(n: int) -> list[str]:
+    raw = os.urandom(32 * n).hex()
+    return [raw[i : i + 64] for i in range(0, 64 * n, 64)]
+
+
+def _items(prefix: str, digests: list[str], per_item: int) -> list[ItemChunks]:
+    out = []
+    for j, a in enumerate(range(0, len(digests), per_item)):
+        ds = tuple(digests[a : a + per_item])
+        out.append(ItemChunks(f"{prefix}.{j}", CHUNK * len(ds), ds, (CHUNK,) * len(ds)))
+    return out
+
+
+def build(workload: str, n_ranks: int, args: argparse.Namespace) -> list[RankChunks]:
+    """Every rank's report, with digest strings shared between ranks that hold the same chunk."""
+    shared = {"dp": args.chunks, "dp+zero": args.shared, "unique": 0}[workload]
+    common = _digests(shared)
+    own = _digests((args.chunks - shared) * n_ranks)
+    ranks = []
+    per_own = max(1, -(-(args.chunks - shared) // 2)) if workload == "dp+zero" else args.chunks_per_item
+    for r in range(n_ranks):
+        mine = own[r * (args.chunks - shared) : (r + 1) * (args.chunks - shared)]
+        items = _items("model", common, args.chunks_per_item) + _items("optim", mine, per_own)
+        ranks.append(RankChunks(r, f"host{r // args.ranks_per_host}", tuple(items)))
+    return ranks
+
+
+def unpickled(ranks: list[RankChunks]) -> list[RankChunks]:
+    return [pickle.loads(pickle.dumps(rc)) for rc in ranks]
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(ranks: list[RankChunks], repeats: int) -> tuple[GroupPlan, float, float]:
+    """The plan, the median seconds of a fresh plan, and of a PlanCache hit for the same reports."""
+    topo = build_topology([rc.host for rc in ranks])
+    plan = plan_group_save(0, ranks, set(), topo)
+    seconds = timed(lambda: plan_group_save(0, ranks, set(), topo), repeats)
+    cache = PlanCache()
+    cache.lookup_or_plan(0, ranks, set(), topo)
+    hit = timed(lambda: cache.lookup_or_plan(1, ranks, set(), topo), repeats)
+    assert cache.hits == repeats
+    return plan, seconds, hit
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[64, 1024, 16384])
+    ap.add_argument(
+        "--workloads", nargs="+", default=["dp", "dp+zero", "unique"], choices=["dp", "dp+zero", "unique"]
+    )
+    ap.add_argument(
+        "--inputs", nargs="+", default=["interned", "unpickled"], choices=["interned", "unpickled"]
+    )
+    ap.add_argument("--chunks", type=int, default=1000, help="chunks per rank")
+    ap.add_argument("--chunks-per-item", type=int, default=5)
+    ap.add_argument("--shared", type=int, default=900, help="chunks every rank holds (dp+zero)")
+    ap.add_argument("--ranks-per-host", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    print(
+        f"{args.chunks} chunks of 4 MiB per rank, {args.chunks_per_item} chunks per item, "
+        f"{args.ranks_per_host} ranks per host, ring partners; median of {args.repeats} runs.\n"
+    )
+    print("| workload | inputs | ranks | plan (s) | cache hit (s) | unique GiB | drainers | transfers |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for workload in args.workloads:
+        for inputs in args.inputs:
+            for n in args.ranks:
+                ranks = build(workload, n, args)
+                if inputs == "unpickled":
+                    ranks = unpickled(ranks)
+                plan, seconds, hit = measure(ranks, args.repeats)
+                print(
+                    f"| {workload} | {inputs} | {n:,} | {seconds:.3f} | {hit:.3f} | "
+                    f"{plan.unique_bytes / 2**30:,.1f} | {len(plan.drains):,} | {len(plan.transfers):,} |",
+                    flush=True,
+                )
+                del ranks, plan
+                gc.collect()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,595 @@
+"""One checkpoint's trip through the background pipeline, on every rank (DESIGN.md section 4).
+
+Every rank runs :meth:`GroupSave.run` for the same checkpoint, in step order, and
+makes the same sequence of collectives on the background group:
+
+====  ======================  =====================================================
+ C1   gather reports          each rank's items and chunk digests (and, from each
+                              host's leader, the chunks its host tier holds)
+      (B1 is now global)      every rank has staged: it reported
+ C2   broadcast plan          the coordinator's :class:`GroupPlan` (or the error)
+  -   replicate               chunks stream to partner ranks; receivers write a pack
+ C3   gather replica packs    to their host tier (fsync'd), verified chunk by chunk
+ C4   broadcast manifests     one partial manifest per host, written by its leader
+ C5   all-gather acks         B2: every new chunk and the manifest on two hosts
+  -   drain                   each drain owner writes one pack to the shared tier
+ C6   gather drain packs
+      commit (coordinator)    manifest (B3), ``COMMIT`` then ``LATEST`` (B4)
+ C7   broadcast outcome       every rank's handle learns B3 / B4 or the failure
+====  ======================  =====================================================
+
+Local work never raises past its phase: an error becomes the rank's contribution
+to the next collective, so every rank takes the same path and the checkpoint fails
+at the same boundary everywhere. With the ``direct`` path (or one host) C3-C5 are
+skipped and B2 is reached with B3.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+
+from shoal import __version__, failpoints
+from shoal.boundary import Boundary
+from shoal.engine.catalog import ChunkCatalog
+from shoal.engine.events import EventLog
+from shoal.engine.handle import SaveHandle
+from shoal.engine.stager import Slot
+from shoal.errors import ChecksumMismatch, ShoalError
+from shoal.format import layout
+from shoal.format.chunking import Hasher, chunk_spans, digest
+from shoal.format.manifest import ChunkLocation, ItemRecord, Manifest, PackRecord, Pointer, Stats, WorldInfo
+from shoal.format.pack import PackBuilder, PackEntry, PackIndex
+from shoal.group.fabric import Fabric
+from shoal.group.planner import ChunkRef, GroupPlan, ItemChunks, RankChunks, plan_group_save
+from shoal.group.topology import Topology
+from shoal.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+
+STAGED_DIR = "staged"
+"""Where each DRAM slot's staged index lives in the DRAM tier."""
+
+
+class GroupFailure(ShoalError, RuntimeError):
+    """A checkpoint failed on some rank; every rank reports the same error."""
+
+
+@dataclass(eq=False)
+class SaveJob:
+    """One staged checkpoint handed to the pipeline (on every rank)."""
+
+    step: int
+    slot: Slot
+    handle: SaveHandle
+    job: str
+    created: float = field(default_factory=time.time)
+    dcp: Mapping[str, Any] | None = None
+    dcp_ready: threading.Event = field(default_factory=threading.Event)
+    """Set by DCP's ``finish`` (coordinator) once ``dcp`` holds the encoded metadata, or an abort."""
+    aborted: str | None = None
+
+
+@dataclass(frozen=True)
+class ReportItem:
+    key: str
+    kind: str
+    nbytes: int
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    digests: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What a rank tells the coordinator in C1."""
+
+    rank: int
+    host: str
+    items: tuple[ReportItem, ...]
+    held: frozenset[str] | None = None
+    error: str | None = None
+
+
+@dataclass
+class PipelineContext:
+    """Everything the protocol needs on one rank; owned by the pipeline, used by one thread."""
+
+    fabric: Fabric
+    topology: Topology
+    shared: Tier
+    host_tier: Tier | None
+    """Where partner copies land (local disk or DRAM); None when nothing is replicated."""
+    chunk_size: int
+    replicate: bool
+    events: EventLog
+    hasher: Hasher
+    dram: Tier | None = None
+    """The host's DRAM tier: each slot's staged index (``staged/<slot>.json``) is kept there."""
+    shared_catalog: ChunkCatalog | None = None
+    host_catalog: ChunkCatalog | None = None
+    dcp_timeout: float = 300.0
+    scratch: bytearray = field(default_factory=bytearray)
+
+    @property
+    def rank(self) -> int:
+        return self.fabric.rank
+
+    @property
+    def host(self) -> str:
+        return self.topology.host_of(self.rank)
+
+    @property
+    def is_host_leader(self) -> bool:
+        return self.topology.leader(self.host) == self.rank
+
+
+def _describe(rank: int, phase: str, e: BaseException) -> str:
+    return f"rank {rank} ({phase}): {type(e).__name__}: {e}"
+
+
+def _check(errors: Sequence[str | None]) -> None:
+    bad = [e for e in errors if e]
+    if bad:
+        raise GroupFailure("; ".join(bad))
+
+
+class GroupSave:
+    """The protocol above for one checkpoint on one rank. Call :meth:`run` once."""
+
+    def __init__(self, ctx: PipelineContext, job: SaveJob) -> None:
+        self.ctx = ctx
+        self.job = job
+        self.step = job.step
+        self.items = {item.key: item for item in job.slot.items}
+        self.local_error: BaseException | None = None
+        self.coordination_seconds = 0.0
+        self.collectives = 0
+
+    def _collective(self, op: Any, obj: Any) -> Any:
+        """One control-message collective, timed (the coordination overhead the event log reports)."""
+        t0 = time.perf_counter()
+        try:
+            return op(obj)
+        finally:
+            self.coordination_seconds += time.perf_counter() - t0
+            self.collectives += 1
+
+    # -- the protocol ------------------------------------------------------------------------
+    def run(self) -> None:
+        """Advance ``job.handle`` as far as the checkpoint gets; never raises."""
+        ctx, h = self.ctx, self.job.handle
+        target = Boundary.STAGED
+        try:
+            report = self._report()
+            reports = self._collective(ctx.fabric.gather, report)  # C1
+            h._reach_at_least(Boundary.STAGED)  # every rank has staged and reported
+            self._emit_boundary(Boundary.STAGED)
+            target = Boundary.REPLICATED if ctx.replicate else Boundary.PERSISTED
+            plan = self._agree_on_plan(reports)  # C2
+            if ctx.replicate:
+                self._replicate_phase(plan, reports)  # C3..C5
+                self._reach(Boundary.REPLICATED)
+                target = Boundary.PERSISTED
+            drained = self._guard("drain", lambda: self._drain(plan))
+            results = self._collective(ctx.fabric.gather, drained)  # C6
+            outcome: dict[str, Any] | None = None
+            if ctx.fabric.is_coordinator:
+                assert results is not None and reports is not None
+                outcome = self._commit(plan, reports, results)
+            outcome = self._collective(ctx.fabric.broadcast, outcome)  # C7
+            assert outcome is not None
+            if outcome["reached"] is not None and outcome["reached"] >= Boundary.PERSISTED:
+                self._reach(Boundary.PERSISTED)
+                target = Boundary.RESTARTABLE
+            if outcome["error"]:
+                raise GroupFailure(outcome["error"])
+            self._reach(Boundary.RESTARTABLE)
+            self._emit_coordination()
+        except Exception as e:
+            if isinstance(e, GroupFailure) and self.local_error is not None:
+                if self.ctx.fabric.world_size == 1:
+                    e = self.local_error  # one rank: the error itself, not a summary of it
+                else:
+                    e.__cause__ = self.local_error
+            log.error("step %d failed before %s: %s: %s", self.step, target.label, type(e).__name__, e)
+            self.ctx.events.emit("failed", self.step, boundary=target.name, error=f"{type(e).__name__}: {e}")
+            h._fail(target, e)
+
+    def _emit_coordination(self) -> None:
+        self.ctx.events.emit(
+            "coordination",
+            self.step,
+            seconds=self.coordination_seconds,
+            collectives=self.collectives,
+            world_size=self.ctx.fabric.world_size,
+        )
+
+    def _local(self, phase: str, e: BaseException) -> str:
+        """Remember an error raised on this rank; return its description for the other ranks."""
+        if self.local_error is None:
+            self.local_error = e
+        return _describe(self.ctx.rank, phase, e)
+
+    def _guard(self, phase: str, fn: Any) -> Any:
+        """Run local work; an exception becomes an error string for the next collective."""
+        try:
+            return fn()
+        except Exception as e:
+            log.debug("step %d: %s failed on rank %d", self.step, phase, self.ctx.rank, exc_info=True)
+            return self._local(phase, e)
+
+    def _reach(self, boundary: Boundary) -> None:
+        self.job.handle._reach_at_least(boundary)
+        self._emit_boundary(boundary)
+
+    def _emit_boundary(self, boundary: Boundary) -> None:
+        seconds = self.job.handle.times.get(boundary)
+        self.ctx.events.emit("boundary", self.step, boundary=boundary.name, seconds=seconds)
+
+    # -- C1: hash and report -----------------------------------------------------------------
+    def _report(self) -> RankReport:
+        ctx = self.ctx
+        held = None
+        if ctx.is_host_leader and ctx.host_catalog is not None:
+            held = frozenset(ctx.host_catalog.locations)
+        try:
+            t0 = time.perf_counter()
+            items = tuple(
+                ReportItem(
+                    s.key,
+                    s.kind,
+                    s.nbytes,
+                    s.dtype,
+                    s.shape,
+                    tuple(ctx.hasher.hash_item(self.job.slot.view(s), ctx.chunk_size)),
+                )
+                for s in self.job.slot.items
+            )
+            nbytes = sum(s.nbytes for s in self.job.slot.items)
+            ctx.events.emit("hashed", self.step, bytes=nbytes, seconds=time.perf_counter() - t0)
+            self._write_staged_index(items)
+            return RankReport(ctx.rank, ctx.host, items, held)
+        except Exception as e:
+            return RankReport(ctx.rank, ctx.host, (), held, self._local("hash", e))
+
+    def _write_staged_index(self, items: tuple[ReportItem, ...]) -> None:
+        """Record what the slot holds (items, offsets, digests) next to it in the DRAM tier.
+
+        A restarted process reads it to find staged chunks in the slab (DESIGN.md section 5).
+        """
+        if self.ctx.dram is None:
+            return
+        slot = self.job.slot
+        doc = {
+            "format": "shoal-staged/1",
+            "step": self.step,
+            "rank": self.ctx.rank,
+            "slab": slot.name,
+            "chunk_size": self.ctx.chunk_size,
+            "items": [
+                {
+                    "key": i.key,
+                    "kind": i.kind,
+                    "offset": self.items[i.key].offset,
+                    "nbytes": i.nbytes,
+                    "dtype": i.dtype,
+                    "shape": None if i.shape is None else list(i.shape),
+                    "chunks": list(i.digests),
+                }
+                for i in items
+            ],
+        }
+        self.ctx.dram.write(f"{STAGED_DIR}/{slot.name}.json", json.dumps(doc).encode())
+
+    # -- C2: plan ----------------------------------------------------------------------------
+    def _agree_on_plan(self, reports: list[RankReport] | None) -> GroupPlan:
+        ctx = self.ctx
+        message: GroupPlan | str | None = None
+        if ctx.fabric.is_coordinator:
+            assert reports is not None
+            errors = [r.error for r in reports if r.error]
+            message = "; ".join(errors) if errors else self._guard("plan", lambda: self._plan(reports))
+        message = self._collective(ctx.fabric.broadcast, message)
+        if isinstance(message, str):
+            raise GroupFailure(message)
+        assert isinstance(message, GroupPlan)
+        return message
+
+    def _plan(self, reports: list[RankReport]) -> GroupPlan:
+        ctx = self.ctx
+        if ctx.shared_catalog is None:
+            ctx.shared_catalog = ChunkCatalog.scan(ctx.shared)
+        if not self._reused_packs_present(reports, ctx.shared_catalog):
+            ctx.shared_catalog = ChunkCatalog.scan(ctx.shared)
+        ranks = [
+            RankChunks(
+                r.rank,
+                r.host,
+                tuple(
+                    ItemChunks(
+                        i.key,
+                        i.nbytes,
+                        i.digests,
+                        tuple(n for _, n in chunk_spans(i.nbytes, ctx.chunk_size)),
+                    )
+                    for i in r.items
+                ),
+            )
+            for r in reports
+        ]
+        held = {r.host: r.held for r in reports if r.held is not None}
+        t0 = time.perf_counter()
+        plan = plan_group_save(
+            self.step, ranks, ctx.shared_catalog, ctx.topology, held=held, replicate=ctx.replicate
+        )
+        ctx.events.emit(
+            "planned",
+            self.step,
+            seconds=time.perf_counter() - t0,
+            new_bytes=plan.new_bytes,
+            replicated_bytes=plan.replicated_bytes,
+            reused_bytes=plan.reused_bytes,
+        )
+        return plan
+
+    def _reused_packs_present(self, reports: list[RankReport], catalog: ChunkCatalog) -> bool:
+        """Whether every pack this checkpoint would reuse is still on the shared tier (one check per pack)."""
+        packs = {
+            catalog.locations[d].pack for r in reports for i in r.items for d in i.digests if d in catalog
+        }
+        missing = sorted(p for p in packs if not self.ctx.shared.exists(layout.pack_path(p)))
+        if missing:
+            log.warning(
+                "packs %s vanished from %s; their chunks will be written again", missing, self.ctx.shared.url
+            )
+        return not missing
+
+    # -- C3..C5: replicate -------------------------------------------------------------------
+    def _view(self, ref: ChunkRef) -> memoryview:
+        off = ref.index * self.ctx.chunk_size
+        return self.job.slot.view(self.items[ref.key])[off : off + ref.length]
+
+    def _replicate_phase(self, plan: GroupPlan, reports: list[RankReport] | None) -> None:
+        ctx = self.ctx
+        written = self._replicate(plan)
+        results = self._collective(ctx.fabric.gather, written)  # C3
+        manifests: dict[str, bytes] | str | None = None
+        if ctx.fabric.is_coordinator:
+            assert results is not None and reports is not None
+            errors = [r for r in results if isinstance(r, str)]
+            manifests = (
+                "; ".join(errors)
+                if errors
+                else self._guard("replica manifests", lambda: self._host_manifests(plan, reports, results))
+            )
+        manifests = self._collective(ctx.fabric.broadcast, manifests)  # C4
+        if isinstance(manifests, str):
+            raise GroupFailure(manifests)
+        assert manifests is not None
+        ack = None
+        if ctx.is_host_leader:
+            ack = self._guard(
+                "write replica manifest", lambda: self._write_host_manifest(manifests[ctx.host])
+            )
+        _check(self._collective(ctx.fabric.all_gather, ack))  # C5
+
+    def _replicate(self, plan: GroupPlan) -> PackIndex | str | None:
+        """Send this rank's transfers and receive its own into one verified pack on the host tier."""
+        ctx = self.ctx
+        sends = [(t.dst_rank, [self._view(c) for c in t.chunks]) for t in plan.sends_from(ctx.rank)]
+        incoming = plan.receives_at(ctx.rank)
+        receives = [(t.src_rank, [c.length for c in t.chunks]) for t in incoming]
+        expected = [c for t in incoming for c in t.chunks]
+        error: str | None = None
+        index: PackIndex | None = None
+        t0 = time.perf_counter()
+        try:
+            works = ctx.fabric.post_sends(sends)
+        except Exception as e:
+            return self._local("replicate (send)", e)
+        if len(ctx.scratch) < ctx.chunk_size:
+            ctx.scratch = bytearray(ctx.chunk_size)
+        stream = ctx.fabric.receive(receives, ctx.scratch)
+        try:
+            if expected:
+                index = self._write_replica_pack(stream, expected)
+        except Exception as e:
+            error = self._local("replicate (receive)", e)
+            for _ in stream:  # let the senders finish: drain what is still coming
+                pass
+        finally:
+            try:
+                ctx.fabric.wait_all(works)
+            except Exception as e:
+                error = error or self._local("replicate (send)", e)
+        sent = sum(t.nbytes for t in plan.sends_from(ctx.rank))
+        if sent or expected:
+            ctx.events.emit(
+                "replicate",
+                self.step,
+                tier=ctx.host_tier.kind if ctx.host_tier else None,
+                sent_bytes=sent,
+                received_bytes=sum(c.length for c in expected),
+                seconds=time.perf_counter() - t0,
+                writers=len({t.dst_rank for t in plan.transfers}),
+            )
+        return error if error else index
+
+    def _write_replica_pack(self, stream: Iterator[memoryview], expected: list[ChunkRef]) -> PackIndex:
+        ctx = self.ctx
+        assert ctx.host_tier is not None
+        pack_id = layout.new_pack_id(self.step, ctx.host, ctx.rank)
+        whole = blake3.blake3()
+        entries: list[PackEntry] = []
+        offset = 0
+
+        def verified() -> Iterator[memoryview]:
+            nonlocal offset
+            for ref, view in zip(expected, stream, strict=True):
+                actual = digest(view)
+                if actual != ref.digest:
+                    raise ChecksumMismatch(
+                        f"step {self.step}: chunk {ref.index} of item {ref.key!r} arrived with BLAKE3 "
+                        f"{actual}, expected {ref.digest}"
+                    )
+                whole.update(view)
+                entries.append(PackEntry(ref.digest, offset, ref.length))
+                offset += ref.length
+                yield view
+
+        ctx.host_tier.write(layout.pack_path(pack_id), verified())
+        failpoints.hit("pipeline.after_replica_pack", rank=ctx.rank)
+        index = PackIndex(pack_id, offset, whole.hexdigest(), tuple(entries))
+        ctx.host_tier.write(layout.index_path(pack_id), index.encode())
+        return index
+
+    def _host_manifests(
+        self, plan: GroupPlan, reports: list[RankReport], results: list[Any]
+    ) -> dict[str, bytes]:
+        """One partial manifest per host: every item, locations of the chunks that host's tier holds."""
+        dcp = self._dcp_metadata()
+        by_host: dict[str, list[PackIndex]] = {h: [] for h in self.ctx.topology.hosts}
+        for rank, result in enumerate(results):
+            if isinstance(result, PackIndex):
+                by_host[self.ctx.topology.host_of(rank)].append(result)
+        out = {}
+        for host, indexes in by_host.items():
+            locations = {
+                e.digest: ChunkLocation(i.pack_id, e.offset, e.length) for i in indexes for e in i.entries
+            }
+            packs = {i.pack_id: PackRecord(i.size, i.blake3) for i in indexes}
+            out[host] = self._manifest(plan, reports, locations, packs, dcp, partial=True).encode()
+        return out
+
+    def _write_host_manifest(self, data: bytes) -> None:
+        ctx = self.ctx
+        assert ctx.host_tier is not None
+        failpoints.hit("pipeline.before_replica_manifest", rank=ctx.rank)
+        ctx.host_tier.write(layout.manifest_path(self.step), data)
+        if ctx.host_catalog is not None:
+            from shoal.format.manifest import decode_manifest
+
+            ctx.host_catalog.add_manifest(decode_manifest(data, f"{ctx.host_tier.url}/{self.step}"))
+
+    # -- C6, C7: drain and commit ------------------------------------------------------------
+    def _drain(self, plan: GroupPlan) -> PackIndex | None:
+        ctx = self.ctx
+        failpoints.hit("pipeline.before_drain", rank=ctx.rank)
+        mine = plan.drain_for(ctx.rank)
+        if mine is None or not mine.chunks:
+            return None
+        builder = PackBuilder(layout.new_pack_id(self.step, ctx.host, ctx.rank))
+        for ref in mine.chunks:
+            builder.add(ref.digest, self._view(ref))
+        index = builder.index()
+        t0 = time.perf_counter()
+        ctx.shared.write(layout.pack_path(builder.pack_id), builder.buffers())
+        failpoints.hit("pipeline.after_pack", rank=ctx.rank)
+        ctx.shared.write(layout.index_path(builder.pack_id), index.encode())
+        drainers = sum(1 for d in plan.drains if d.chunks)
+        ctx.events.emit(
+            "write",
+            self.step,
+            tier="shared",
+            what="pack",
+            path=layout.pack_path(builder.pack_id),
+            bytes=builder.size,
+            seconds=time.perf_counter() - t0,
+            writers=drainers,
+        )
+        return index
+
+    def _commit(self, plan: GroupPlan, reports: list[RankReport], results: list[Any]) -> dict[str, Any]:
+        """Coordinator: manifest (B3), then ``COMMIT`` and ``LATEST`` (B4). Returns the outcome for C7."""
+        errors = [r for r in results if isinstance(r, str)]
+        if errors:
+            return {"reached": None, "error": "; ".join(errors)}
+        ctx = self.ctx
+        reached: Boundary | None = None
+        try:
+            assert ctx.shared_catalog is not None
+            new = {
+                e.digest: ChunkLocation(i.pack_id, e.offset, e.length)
+                for i in results
+                if isinstance(i, PackIndex)
+                for e in i.entries
+            }
+            new_packs = {i.pack_id: PackRecord(i.size, i.blake3) for i in results if isinstance(i, PackIndex)}
+            locations: dict[str, ChunkLocation] = {}
+            packs: dict[str, PackRecord] = {}
+            for r in reports:
+                for item in r.items:
+                    for d in item.digests:
+                        loc = new.get(d) or ctx.shared_catalog.locations[d]
+                        locations[d] = loc
+                        packs[loc.pack] = new_packs.get(loc.pack) or ctx.shared_catalog.packs[loc.pack]
+            manifest = self._manifest(plan, reports, locations, packs, self._dcp_metadata())
+            data = manifest.encode()
+            failpoints.hit("pipeline.before_manifest", rank=ctx.rank)
+            self._write_shared("manifest", layout.manifest_path(self.step), data)
+            reached = Boundary.PERSISTED
+            failpoints.hit("pipeline.before_commit", rank=ctx.rank)
+            pointer = Pointer(self.step, digest(data)).encode()
+            self._write_shared("commit", layout.commit_path(self.step), pointer)
+            self._write_shared("latest", layout.LATEST, pointer)
+            ctx.shared_catalog.add_manifest(manifest)
+            return {"reached": Boundary.RESTARTABLE, "error": None}
+        except Exception as e:
+            ctx.shared_catalog = None  # rebuild from what the tier really holds
+            return {"reached": reached, "error": self._local("commit", e)}
+
+    def _write_shared(self, what: str, path: str, data: bytes) -> None:
+        t0 = time.perf_counter()
+        n = self.ctx.shared.write(path, data)
+        self.ctx.events.emit(
+            "write", self.step, tier="shared", what=what, path=path, bytes=n,
+            seconds=time.perf_counter() - t0, writers=1,
+        )  # fmt: skip
+
+    def _dcp_metadata(self) -> Mapping[str, Any] | None:
+        """The coordinator's DCP metadata (set by the writer's ``finish``), waited for if need be."""
+        if not self.job.dcp_ready.wait(self.ctx.dcp_timeout):
+            raise TimeoutError(f"step {self.step}: DCP's finish() did not deliver the metadata")
+        if self.job.aborted:
+            raise GroupFailure(f"step {self.step}: the save was aborted: {self.job.aborted}")
+        return self.job.dcp
+
+    def _manifest(
+        self,
+        plan: GroupPlan,
+        reports: list[RankReport],
+        locations: dict[str, ChunkLocation],
+        packs: dict[str, PackRecord],
+        dcp: Mapping[str, Any] | None,
+        *,
+        partial: bool = False,
+    ) -> Manifest:
+        topo = self.ctx.topology
+        items = {
+            i.key: ItemRecord(i.key, r.rank, i.kind, i.nbytes, i.digests, i.dtype, i.shape)
+            for r in reports
+            for i in r.items
+        }
+        return Manifest(
+            job=self.job.job,
+            step=self.step,
+            created=self.job.created,
+            chunk_size=self.ctx.chunk_size,
+            items=items,
+            locations=locations,
+            packs=packs,
+            world=WorldInfo(topo.world_size, topo.hosts, max(len(topo.ranks_on(h)) for h in topo.hosts)),
+            dcp=dcp,
+            stats=Stats(plan.logical_bytes, plan.unique_bytes, plan.new_bytes),
+            shoal_version=__version__,
+            partial=partial,
+        )

@@ -1,0 +1,103 @@
+"""The fabric: shoal's background process group, for the pipeline's control messages and chunk transfers.
+
+Created once, at start-up, by every rank (``Fabric.create`` is collective): a gloo
+group with its own timeout, separate from the training's default group, so that
+the pipeline's collectives never interleave with the training's. Every method
+below is collective over that group unless it says otherwise, and every rank
+calls them in the same order: the pipeline handles checkpoints one at a time,
+in step order, on every rank. With one rank, everything is local.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Fabric:
+    """Collectives and point-to-point chunk streams of one rank."""
+
+    def __init__(self, group: Any, rank: int, world_size: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+
+    @classmethod
+    def create(cls, timeout: float) -> Fabric:
+        """Collective (every rank, once): the background gloo group, or a local fabric for one process."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls(None, 0, 1)
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        return cls(group, dist.get_rank(), dist.get_world_size())
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj``, in rank order, at the coordinator; None elsewhere."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """The coordinator's ``obj`` on every rank."""
+        if self.group is None:
+            return obj
+        box = [obj if self.is_coordinator else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def post_sends(self, sends: Sequence[tuple[int, Iterable[memoryview]]]) -> list[Any]:
+        """Post every chunk of ``sends`` (``(dst rank, chunk views)``) without waiting; return the works.
+
+        The views (slices of the DRAM slab) are sent as they are, without copies, and must
+        stay untouched until :meth:`wait_all` returns. Sends are posted before any receive,
+        so two hosts that send to each other cannot deadlock.
+        """
+        if self.group is None:
+            if sends:
+                raise RuntimeError("a one-rank fabric has no peers to send chunks to")
+            return []
+        return [
+            dist.isend(torch.frombuffer(view, dtype=torch.uint8), dst=dst, group=self.group)
+            for dst, views in sends
+            for view in views
+        ]
+
+    def receive(
+        self, receives: Sequence[tuple[int, Sequence[int]]], scratch: bytearray
+    ) -> Iterator[memoryview]:
+        """Receive chunks: ``(src rank, chunk lengths)`` in order; yield each chunk's bytes.
+
+        Both sides know the lengths from the plan, so no headers travel. Each yielded view
+        lives in ``scratch`` (at least one chunk long) and is valid until the next one: data
+        moves in bounded buffers, never the whole state at once.
+        """
+        if receives and self.group is None:
+            raise RuntimeError("a one-rank fabric has no peers to receive chunks from")
+        for src, lengths in receives:
+            for n in lengths:
+                buf = torch.frombuffer(scratch, dtype=torch.uint8, count=n)
+                dist.recv(buf, src=src, group=self.group)
+                yield memoryview(scratch)[:n]
+
+    @staticmethod
+    def wait_all(works: Sequence[Any]) -> None:
+        """Wait for posted sends (not collective)."""
+        for work in works:
+            work.wait()

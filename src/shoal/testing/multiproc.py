@@ -1,0 +1,111 @@
+"""Run a function on N ranks, each its own process with a gloo process group, on one machine.
+
+Ranks are grouped into simulated hosts by ``SHOAL_HOST_ID`` (each host with its own
+DRAM and local tiers, as on real machines)::
+
+    results = run_ranks(scenario, hosts=["h0", "h0", "h1", "h1"], kwargs={"root": str(tmp_path)})
+
+``scenario(rank, world_size, **kwargs)`` must be importable (a module-level function in
+an installed module) because ranks are started with the ``spawn`` method. Each rank's
+return value comes back in rank order; an exception in any rank is re-raised here
+with that rank's traceback. Every rank is killed after ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+
+class RankFailed(RuntimeError):
+    """A rank raised, died or timed out; the message carries its traceback."""
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    host: str,
+    store: str,
+    env: Mapping[str, str],
+    kwargs: Mapping[str, Any],
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ["SHOAL_HOST_ID"] = host
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        try:
+            value = fn(rank, world_size, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    *,
+    hosts: Sequence[str],
+    kwargs: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+    allow_death: Sequence[int] = (),
+) -> list[Any]:
+    """Run ``fn(rank, world_size, **kwargs)`` on ``len(hosts)`` ranks; rank r on host ``hosts[r]``.
+
+    ``allow_death`` lists ranks expected to die (killed by a failpoint): their result is None.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    world = len(hosts)
+    with tempfile.TemporaryDirectory(prefix="shoal-pg-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(fn, r, world, hosts[r], store, dict(env or {}), dict(kwargs or {}), results),
+                daemon=True,
+            )
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        failures: list[str] = []
+        try:
+            while len(out) + len(failures) < world:
+                try:
+                    # once a rank failed, the others may wait on it in a collective: give them a moment
+                    rank, ok, value = results.get(timeout=10 if failures else timeout)
+                except queue.Empty:
+                    if failures:
+                        break
+                    dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out]
+                    if dead and all(r in allow_death for r in dead) and len(out) + len(dead) == world:
+                        break
+                    raise RankFailed(f"ranks timed out after {timeout} s; finished: {sorted(out)}") from None
+                if ok:
+                    out[rank] = value
+                else:
+                    failures.append(f"rank {rank} failed:\n{value}")
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if failures:
+            raise RankFailed("\n".join(failures))
+        return [out.get(r) for r in range(world)]

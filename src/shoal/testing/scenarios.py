@@ -1,0 +1,252 @@
+"""Multi-rank scenarios for tests and benchmarks, run with :func:`shoal.testing.multiproc.run_ranks`.
+
+Each function runs on every rank of a gloo job whose ranks are grouped into simulated
+hosts by ``SHOAL_HOST_ID``; each host has its own DRAM and local tiers under ``root``.
+They return plain data (picklable) for the test process to assert on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from shoal import failpoints
+from shoal.boundary import Boundary
+from shoal.checkpointer import Checkpointer
+from shoal.config import Config
+from shoal.format import layout
+from shoal.format.chunking import digest
+from shoal.format.pack import decode_index
+from shoal.testing.checkpoints import assert_state_equal, zeros_like_state
+
+
+def group_config(root: str, **overrides: Any) -> Config:
+    """The config of every rank: shared, local and DRAM roots under ``root`` (host from ``SHOAL_HOST_ID``)."""
+    kwargs: dict[str, Any] = {
+        "shared": os.path.join(root, "shared"),
+        "local": os.path.join(root, "local"),
+        "dram": os.path.join(root, "dram"),
+        "job": "test",
+        "chunk_size": 64 << 10,
+        "keep_last": None,
+        "collective_timeout": 60.0,
+    }
+    kwargs.update(overrides)
+    return Config(**kwargs)
+
+
+def dp_state(
+    rank: int, *, tensors: int = 8, numel: int = 32 << 10, shard_numel: int = 48 << 10
+) -> dict[str, Any]:
+    """A data-parallel model (identical on every rank) plus this rank's own optimizer shard."""
+    g = torch.Generator().manual_seed(1234)
+    model = {f"layer{i}.weight": torch.randn(numel, generator=g) for i in range(tensors)}
+    g_rank = torch.Generator().manual_seed(10_000 + rank)
+    optim = {f"shard{rank}.exp_avg": torch.randn(shard_numel, generator=g_rank)}
+    return {"model": model, "optim": optim, "step": 0}
+
+
+def _handle_summary(handle: Any) -> dict[str, Any]:
+    return {
+        "reached": int(handle.reached) if handle.reached else None,
+        "times": {int(b): t for b, t in handle.times.items()},
+        "error": None if handle.error is None else f"{type(handle.error).__name__}: {handle.error}",
+        "failed_at": int(handle.failed_at) if handle.failed_at else None,
+    }
+
+
+def host_chunks(root: str, job: str = "test") -> dict[str, set[str]]:
+    """Every chunk each simulated host holds, found by reading its tiers directly and re-hashing.
+
+    DRAM: each slot's staged index (``staged/*.json``) and the bytes of its slab.
+    Local: every pack through its index. Only chunks whose bytes hash to their digest count.
+    """
+    out: dict[str, set[str]] = {}
+    for tier_name in ("dram", "local"):
+        base = os.path.join(root, tier_name, job)
+        if not os.path.isdir(base):
+            continue
+        for host in os.listdir(base):
+            held = out.setdefault(host, set())
+            hdir = os.path.join(base, host)
+            staged = os.path.join(hdir, "staged")
+            for name in sorted(os.listdir(staged)) if os.path.isdir(staged) else []:
+                with open(os.path.join(staged, name)) as f:
+                    doc = json.load(f)
+                with open(os.path.join(hdir, "slabs", doc["slab"] + ".slab"), "rb") as f:
+                    slab = f.read()
+                size = doc["chunk_size"]
+                for item in doc["items"]:
+                    for i, d in enumerate(item["chunks"]):
+                        start = item["offset"] + i * size
+                        end = item["offset"] + min(item["nbytes"], (i + 1) * size)
+                        if digest(slab[start:end]) == d:
+                            held.add(d)
+            packs = os.path.join(hdir, layout.PACKS_DIR)
+            for name in sorted(os.listdir(packs)) if os.path.isdir(packs) else []:
+                if not name.endswith(".idx"):
+                    continue
+                with open(os.path.join(packs, name), "rb") as f:
+                    index = decode_index(f.read(), name)
+                with open(os.path.join(packs, index.pack_id + ".pack"), "rb") as f:
+                    data = f.read()
+                for e in index.entries:
+                    if digest(data[e.offset : e.offset + e.length]) == e.digest:
+                        held.add(e.digest)
+    return out
+
+
+def host_manifests(root: str, step: int, job: str = "test") -> dict[str, bool]:
+    """Which hosts hold a manifest of ``step`` on their local or DRAM tier."""
+    out: dict[str, bool] = {}
+    for tier_name in ("dram", "local"):
+        base = os.path.join(root, tier_name, job)
+        for host in os.listdir(base) if os.path.isdir(base) else []:
+            path = os.path.join(base, host, layout.manifest_path(step))
+            out[host] = out.get(host, False) or os.path.exists(path)
+    return out
+
+
+def save_dp_and_inspect(rank: int, world: int, *, root: str, delay_drain: float = 1.5) -> dict[str, Any]:
+    """Save a DP model + optimizer shards; at B2 (drain held back) inspect the tiers; then B4 and reload."""
+    cfg = group_config(root)
+    state = dp_state(rank)
+    failpoints.configure(f"pipeline.before_drain=delay:{delay_drain}")
+    out: dict[str, Any] = {"rank": rank}
+    with Checkpointer(cfg) as ckpt:
+        handle = ckpt.save(1, state)
+        handle.wait(Boundary.REPLICATED, timeout=60)
+        torch.distributed.barrier()
+        if rank == 0:  # every rank is at B2 and the drain is held back: look at the tiers as they are
+            out["at_b2"] = {
+                "chunks": {h: sorted(c) for h, c in host_chunks(root).items()},
+                "manifests": host_manifests(root, 1),
+                "shared_files": sorted(os.listdir(os.path.join(root, "shared", "test")))
+                if os.path.isdir(os.path.join(root, "shared", "test"))
+                else [],
+            }
+        torch.distributed.barrier()
+        handle.wait(Boundary.RESTARTABLE, timeout=60)
+        failpoints.configure(None)
+        out["handle"] = _handle_summary(handle)
+        ckpt.wait()
+        out["replicating"] = ckpt.replicating
+    torch.distributed.barrier()
+    if rank == 0:
+        with open(os.path.join(root, "shared", "test", layout.manifest_path(1)), "rb") as f:
+            manifest = json.loads(f.read())
+        out["manifest_chunks"] = sorted({d for item in manifest["items"].values() for d in item["chunks"]})
+        out["stats"] = manifest["stats"]
+        packs = os.path.join(root, "shared", "test", layout.PACKS_DIR)
+        out["packs"] = {
+            p: os.path.getsize(os.path.join(packs, p)) for p in os.listdir(packs) if p.endswith(".pack")
+        }
+        # the data loads from shared storage alone: drop every host's DRAM and local tiers
+        for tier_name in ("dram", "local"):
+            shutil.rmtree(os.path.join(root, tier_name), ignore_errors=True)
+    torch.distributed.barrier()
+    with Checkpointer(cfg) as fresh:
+        target = zeros_like_state(state)
+        out["loaded"] = fresh.load(target)
+        assert_state_equal(target, state)
+    return out
+
+
+def frozen_second_checkpoint(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """Two checkpoints of a model whose parameters are 90% frozen between them; bytes written each time.
+
+    The model (10 x 256 KiB) is the same on every rank; its optimizer state is sharded
+    ZeRO-style (rank r keeps ``exp_avg`` of parameters r, r + world, ...). Between the
+    checkpoints one parameter in ten trains, and with it its optimizer state.
+    """
+    cfg = group_config(root)
+    g = torch.Generator().manual_seed(7)
+    model = {f"p{i}": torch.randn(64 << 10, generator=g) for i in range(10)}
+    shard = {
+        f"exp_avg.p{i}": torch.randn(64 << 10, generator=torch.Generator().manual_seed(100 + i))
+        for i in range(rank, 10, world)
+    }
+    out: dict[str, Any] = {}
+    with Checkpointer(cfg) as ckpt:
+        h1 = ckpt.save(1, {"model": model, "optim": shard})
+        h1.wait(timeout=60)
+        ckpt.wait()
+        model["p3"].add_(1.0)  # one tenth of the parameters train; the rest are frozen
+        if "exp_avg.p3" in shard:
+            shard["exp_avg.p3"].mul_(0.5)
+        h2 = ckpt.save(2, {"model": model, "optim": shard})
+        h2.wait(timeout=60)
+        ckpt.wait()
+        out["handles"] = [_handle_summary(h1), _handle_summary(h2)]
+        events = ckpt.config.event_log
+    with open(events) as f:  # type: ignore[arg-type]
+        rows = [json.loads(line) for line in f]
+    out["events"] = [r for r in rows if r.get("rank") == rank]
+    return out
+
+
+def failing_drain(rank: int, world: int, *, root: str, bad_rank: int) -> dict[str, Any]:
+    """Step 1 commits; step 2's drain raises on ``bad_rank``; training goes on and step 3 commits."""
+    cfg = group_config(root)
+    state = dp_state(rank)
+    out: dict[str, Any] = {}
+    with Checkpointer(cfg) as ckpt:
+        ckpt.save(1, state).wait(timeout=60)
+        if rank == bad_rank:
+            failpoints.configure(f"pipeline.before_drain=raise@rank:{bad_rank}")
+        second = ckpt.save(2, {**state, "step": 2})
+        try:
+            second.wait(timeout=60)
+        except Exception as e:
+            out["second_error"] = f"{type(e).__name__}: {e}"
+        failpoints.configure(None)
+        out["second"] = _handle_summary(second)
+        torch.distributed.barrier()
+        out["latest_after_failure"] = ckpt.latest()
+        target = zeros_like_state(state)
+        out["loaded"] = ckpt.load(target)
+        assert_state_equal(target, state)
+        third = ckpt.save(3, {**state, "step": 3})
+        third.wait(timeout=60)
+        out["third"] = _handle_summary(third)
+    return out
+
+
+def state_bytes(state: Mapping[str, Any]) -> int:
+    total = 0
+    for v in state.values():
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+        elif isinstance(v, Mapping):
+            total += state_bytes(v)
+    return total
+
+
+def bench_group_save(rank: int, world: int, *, root: str, mib_per_rank: int, repeats: int) -> dict[str, Any]:
+    """Benchmark: each rank saves ``mib_per_rank`` MiB of its own data ``repeats`` + 1 times."""
+    cfg = group_config(root, chunk_size=4 << 20, keep_last=2)
+    n = mib_per_rank << 18  # float32 elements
+    g = torch.Generator().manual_seed(rank)
+    state = {f"r{rank}.t{i}": torch.randn(n // 8, generator=g) for i in range(8)}
+    times, coordination = [], []
+    with Checkpointer(cfg) as ckpt:
+        for step in range(repeats + 1):
+            for t in state.values():
+                t[0] += 1.0
+            h = ckpt.save(step, state)
+            h.wait(timeout=600)
+            ckpt.wait()
+            if step:
+                times.append({int(b): s for b, s in h.times.items()})
+        events = ckpt.config.event_log
+    with open(events) as f:  # type: ignore[arg-type]
+        for line in f:
+            e = json.loads(line)
+            if e.get("event") == "coordination" and e.get("rank") == rank and e.get("step", 0) > 0:
+                coordination.append(e["seconds"])
+    return {"times": times, "coordination": coordination}
