@@ -92,3 +92,12 @@ def test_replication_with_one_host_is_refused(tmp_path, dram_root):
     config = make_config(tmp_path, dram_root, path="partner")
     with pytest.raises(shoal.ConfigError, match="two hosts"):
         shoal.Checkpointer(config)
+
+
+def test_dcp_save_with_shoals_writer_runs_the_same_pipeline(tmp_path):
+    results = run_ranks(scenarios.direct_dcp_save, hosts=HOSTS, kwargs={"root": str(tmp_path)})
+    for r in results:
+        assert r["handle"]["error"] is None and r["handle"]["reached"] == int(shoal.Boundary.RESTARTABLE)
+        times = r["handle"]["times"]
+        assert times[int(shoal.Boundary.STAGED)] < times[int(shoal.Boundary.REPLICATED)]
+        assert r["replica_manifest_in_dram"]  # Config.replicate_to="dram"

@@ -250,3 +250,25 @@ def bench_group_save(rank: int, world: int, *, root: str, mib_per_rank: int, rep
             if e.get("event") == "coordination" and e.get("rank") == rank and e.get("step", 0) > 0:
                 coordination.append(e["seconds"])
     return {"times": times, "coordination": coordination}
+
+
+def direct_dcp_save(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """``dcp.save``/``dcp.load`` with shoal's writer and reader in a multi-rank job (partner copies in DRAM)."""
+    import torch.distributed.checkpoint as dcp
+
+    from shoal import dcp as shoal_dcp
+
+    cfg = group_config(root, replicate_to="dram")
+    state = dp_state(rank)
+    with Checkpointer(cfg) as ckpt:
+        writer = shoal_dcp.StorageWriter(ckpt, 5)
+        dcp.save(state, storage_writer=writer, planner=shoal_dcp.SavePlanner())
+        handle = writer.handle
+        handle.wait(Boundary.RESTARTABLE, timeout=60)
+        ckpt.wait()
+        target = zeros_like_state(state)
+        reader = shoal_dcp.StorageReader(ckpt, 5)
+        dcp.load(target, storage_reader=reader)
+        assert_state_equal(target, state)
+        replica_manifest = os.path.exists(os.path.join(root, "dram", "test", ckpt.host, layout.manifest_path(5)))
+        return {"handle": _handle_summary(handle), "replica_manifest_in_dram": replica_manifest}
