@@ -48,7 +48,7 @@ from shoal.format.chunking import Hasher, chunk_spans, digest
 from shoal.format.manifest import ChunkLocation, ItemRecord, Manifest, PackRecord, Pointer, Stats, WorldInfo
 from shoal.format.pack import PackBuilder, PackEntry, PackIndex
 from shoal.group.fabric import Fabric
-from shoal.group.planner import ChunkRef, GroupPlan, ItemChunks, RankChunks, plan_group_save
+from shoal.group.planner import ChunkRef, GroupPlan, ItemChunks, PlanCache, RankChunks
 from shoal.group.topology import Topology
 from shoal.tiers.base import Tier
 
@@ -117,6 +117,8 @@ class PipelineContext:
     shared_catalog: ChunkCatalog | None = None
     host_catalog: ChunkCatalog | None = None
     dcp_timeout: float = 300.0
+    plan_cache: PlanCache = field(default_factory=PlanCache)
+    """The coordinator's plans, reused while the layout and the digests stay the same."""
     scratch: bytearray = field(default_factory=bytearray)
 
     @property
@@ -328,7 +330,8 @@ class GroupSave:
         ]
         held = {r.host: r.held for r in reports if r.held is not None}
         t0 = time.perf_counter()
-        plan = plan_group_save(
+        hits = ctx.plan_cache.hits
+        plan = ctx.plan_cache.lookup_or_plan(
             self.step, ranks, ctx.shared_catalog, ctx.topology, held=held, replicate=ctx.replicate
         )
         ctx.events.emit(
@@ -338,6 +341,7 @@ class GroupSave:
             new_bytes=plan.new_bytes,
             replicated_bytes=plan.replicated_bytes,
             reused_bytes=plan.reused_bytes,
+            plan_reused=ctx.plan_cache.hits > hits,
         )
         return plan
 
