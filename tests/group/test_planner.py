@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from shoal.errors import ConfigError
 from shoal.format.chunking import digest
-from shoal.group._holdings import index_reports
+from shoal.group._holdings import index_reports, same_reports
 from shoal.group.planner import (
     CheckpointPlan,
     ChunkRef,
@@ -578,6 +578,16 @@ def test_distinct_items_and_their_holders_are_exact(reports: list[tuple[ItemChun
         got[(it.key, it.digests)] = {code} if code >= 0 else set(h.sets[-1 - code])
     assert got == expected
     assert h.logical_bytes == sum(it.nbytes for items in reports for it in items)
+    assert same_reports(
+        h, [tuple(ItemChunks(i.key, i.nbytes, i.digests, i.lengths) for i in r) for r in reports]
+    )
+    for slot, items in enumerate(reports):
+        if items:
+            changed = list(reports)
+            changed[slot] = items[:-1] + (
+                ItemChunks(items[-1].key, items[-1].nbytes + 1, items[-1].digests, items[-1].lengths),
+            )
+            assert not same_reports(h, changed)
     digests = [d for it in h.items for d in it.digests]
     assert h.digests == digests
     if h.dups is None:
@@ -654,6 +664,40 @@ def test_plan_cache_sees_every_change() -> None:
     renamed = [RankChunks(rc.rank, rc.host, rc.items[:1]) for rc in ranks]
     check(8, renamed, set(drained), topo)
     assert cache.misses == 3 and cache.hits == 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(group_scenarios(), group_scenarios(), st.data())
+def test_plan_cache_answers_like_a_fresh_plan(
+    a: GroupScenario, b: GroupScenario, data: st.DataObject
+) -> None:
+    """Whatever changes between two lookups, the cache returns what planning afresh returns."""
+    cache = PlanCache()
+    assert cache.lookup_or_plan(1, a.ranks, a.durable, a.topology, held=a.held) == plan_group_save(
+        1, a.ranks, a.durable, a.topology, held=a.held
+    )
+    ranks = list(a.ranks)
+    change = data.draw(st.sampled_from(["none", "copy", "digest", "drop"]))
+    victim = data.draw(st.sampled_from([rc for rc in ranks if rc.items] or ranks))
+    items = list(victim.items)
+    if change == "copy":
+        ranks = [RankChunks(rc.rank, rc.host, tuple(replace(i) for i in rc.items)) for rc in ranks]
+    elif change == "digest" and items:
+        p = data.draw(st.integers(0, len(items) - 1))
+        ids = data.draw(st.lists(st.sampled_from(sorted(a.lengths)), min_size=1, max_size=3))
+        items[p] = ItemChunks(
+            items[p].key, sum(a.lengths[d] for d in ids), tuple(ids), tuple(a.lengths[d] for d in ids)
+        )
+    elif change == "drop" and items:
+        items.pop()
+    ranks[victim.rank] = (
+        RankChunks(victim.rank, victim.host, tuple(items)) if change != "copy" else ranks[victim.rank]
+    )
+    durable = data.draw(st.sampled_from([a.durable, b.durable, frozenset()]))
+    held = data.draw(st.sampled_from([a.held, b.held, {}]))
+    got = cache.lookup_or_plan(2, ranks, durable, a.topology, held=held)
+    assert got == plan_group_save(2, ranks, durable, a.topology, held=held)
+    assert cache.hits + cache.partial_hits + cache.misses == 2
 
 
 def test_group_save_for_sixteen_thousand_ranks() -> None:
