@@ -246,3 +246,26 @@ def test_tiers_left_by_a_crashed_writer_do_not_confuse_the_next_job(config):
         assert ckpt.load(out) == 1
         ckpt.save(3, {"w": torch.ones(10) * 3}).wait(timeout=60)
         assert ckpt.load(out) == 3
+
+
+def test_a_failure_between_commit_and_latest_leaves_the_step_at_persisted(config):
+    first, second = {"w": torch.randn(5000)}, {"w": torch.randn(5000)}
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(1, first).wait(timeout=60)
+        failpoints.configure("pipeline.before_latest=raise")
+        handle = ckpt.save(2, second)
+        with pytest.raises(shoal.CheckpointFailed, match="before B4"):
+            handle.wait(timeout=60)
+        failpoints.configure(None)
+        assert ckpt.latest() == 1 and ckpt.latest(shoal.Boundary.PERSISTED) == 2
+        assert not ckpt.shared.exists(layout.commit_path(2))
+        out = zeros_like_state(first)
+        assert ckpt.load(out) == 1
+        assert_state_equal(out, first)
+
+
+def test_failpoint_specs_are_validated():
+    with pytest.raises(ValueError, match="action must be"):
+        failpoints.configure("pipeline.before_drain=explode")
+    with pytest.raises(ValueError, match="name=action"):
+        failpoints.configure("pipeline.before_drain")

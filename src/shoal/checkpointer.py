@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as torch_dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from shoal import failpoints
 from shoal.boundary import Boundary
 from shoal.config import Config
 from shoal.engine.catalog import ChunkCatalog
@@ -248,6 +249,7 @@ class Checkpointer:
         except BaseException:
             self._ring.release(slot)
             raise
+        failpoints.hit("stage.after_copy", rank=self.rank)
         job = SaveJob(step, slot, handle, self.config.job)
         with self._lock:
             self._staging[step] = job

@@ -5,6 +5,21 @@ arms points by name; each entry is ``name=action[:arg][@rank:N]`` with actions
 ``raise`` (an :class:`InjectedFault`, an ``OSError``), ``delay:<seconds>`` and ``kill``
 (SIGKILL of the process). With the variable unset, :func:`hit` is one dict lookup.
 The environment is read once, at import; tests call :func:`configure` instead.
+
+Points, in the order a checkpoint meets them (``rank`` is the global rank):
+
+========================================  =====================================================
+``stage.after_copy``                      items copied into the DRAM slab, before B1
+``pipeline.before_hash``                  the background worker picked the checkpoint up
+``pipeline.after_replica_pack``           a receiver wrote its replica pack, before its index
+``pipeline.before_replica_manifest``      a host leader is about to write the host manifest
+``pipeline.after_replicate``              B2 reached on this rank
+``pipeline.before_drain``                 before this rank writes its pack to shared storage
+``pipeline.after_pack``                   pack written, before its index
+``pipeline.before_manifest``              coordinator: before the shared manifest (B3)
+``pipeline.before_commit``                coordinator: B3 reached, before ``COMMIT``
+``pipeline.before_latest``                coordinator: ``COMMIT`` written, before ``LATEST``
+========================================  =====================================================
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ skipped and B2 is reached with B3.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -171,6 +172,7 @@ class GroupSave:
         ctx, h = self.ctx, self.job.handle
         target = Boundary.STAGED
         try:
+            failpoints.hit("pipeline.before_hash", rank=ctx.rank)
             report = self._report()
             reports = self._collective(ctx.fabric.gather, report)  # C1
             h._reach_at_least(Boundary.STAGED)  # every rank has staged and reported
@@ -180,6 +182,7 @@ class GroupSave:
             if ctx.replicate:
                 self._replicate_phase(plan, reports)  # C3..C5
                 self._reach(Boundary.REPLICATED)
+                failpoints.hit("pipeline.after_replicate", rank=ctx.rank)
                 target = Boundary.PERSISTED
             drained = self._guard("drain", lambda: self._drain(plan))
             results = self._collective(ctx.fabric.gather, drained)  # C6
@@ -544,7 +547,15 @@ class GroupSave:
             failpoints.hit("pipeline.before_commit", rank=ctx.rank)
             pointer = Pointer(self.step, digest(data)).encode()
             self._write_shared("commit", layout.commit_path(self.step), pointer)
-            self._write_shared("latest", layout.LATEST, pointer)
+            try:
+                failpoints.hit("pipeline.before_latest", rank=ctx.rank)
+                self._write_shared("latest", layout.LATEST, pointer)
+            except Exception:
+                # B4 means COMMIT *and* LATEST: take the commit record back, best effort, so that
+                # the tier says B3 as the handle does.
+                with contextlib.suppress(Exception):
+                    ctx.shared.delete(layout.commit_path(self.step))
+                raise
             ctx.shared_catalog.add_manifest(manifest)
             return {"reached": Boundary.RESTARTABLE, "error": None}
         except Exception as e:
