@@ -103,3 +103,14 @@ def test_dcp_save_with_shoals_writer_runs_the_same_pipeline(tmp_path):
         times = r["handle"]["times"]
         assert times[int(shoal.Boundary.STAGED)] < times[int(shoal.Boundary.REPLICATED)]
         assert r["replica_manifest_in_dram"]  # Config.replicate_to="dram"
+
+
+def test_partner_copies_of_a_failed_drain_are_reused_and_referenced(tmp_path):
+    results = run_ranks(scenarios.held_replicas_are_reused, hosts=HOSTS, kwargs={"root": str(tmp_path)})
+    for r in results:
+        assert r["first"]["reached"] == int(shoal.Boundary.REPLICATED)
+        assert r["first"]["failed_at"] == int(shoal.Boundary.PERSISTED)
+        assert r["second"]["reached"] == int(shoal.Boundary.RESTARTABLE)
+        assert r["sent"][1] > 0 and r["sent"][2] == 0  # the partners already held every chunk
+    located = {r["host"]: r["located"] for r in results}
+    assert all(n > 0 for n in located.values())  # each host's manifest of step 2 points at its copies

@@ -27,6 +27,7 @@ skipped and B2 is reached with B3.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -46,7 +47,16 @@ from shoal.engine.stager import Slot
 from shoal.errors import ChecksumMismatch, ShoalError
 from shoal.format import layout
 from shoal.format.chunking import Hasher, chunk_spans, digest
-from shoal.format.manifest import ChunkLocation, ItemRecord, Manifest, PackRecord, Pointer, Stats, WorldInfo
+from shoal.format.manifest import (
+    ChunkLocation,
+    ItemRecord,
+    Manifest,
+    PackRecord,
+    Pointer,
+    Stats,
+    WorldInfo,
+    decode_manifest,
+)
 from shoal.format.pack import PackBuilder, PackEntry, PackIndex
 from shoal.group.fabric import Fabric
 from shoal.group.planner import ChunkRef, GroupPlan, ItemChunks, PlanCache, RankChunks
@@ -153,7 +163,7 @@ class GroupSave:
         self.job = job
         self.step = job.step
         self.items = {item.key: item for item in job.slot.items}
-        self.local_error: BaseException | None = None
+        self.local_error: Exception | None = None
         self.coordination_seconds = 0.0
         self.collectives = 0
 
@@ -218,7 +228,7 @@ class GroupSave:
             world_size=self.ctx.fabric.world_size,
         )
 
-    def _local(self, phase: str, e: BaseException) -> str:
+    def _local(self, phase: str, e: Exception) -> str:
         """Remember an error raised on this rank; return its description for the other ranks."""
         if self.local_error is None:
             self.local_error = e
@@ -335,7 +345,7 @@ class GroupSave:
         t0 = time.perf_counter()
         hits = ctx.plan_cache.hits
         plan = ctx.plan_cache.lookup_or_plan(
-            self.step, ranks, ctx.shared_catalog, ctx.topology, held=held, replicate=ctx.replicate
+            self.step, ranks, ctx.shared_catalog.locations, ctx.topology, held=held, replicate=ctx.replicate
         )
         ctx.events.emit(
             "planned",
@@ -478,14 +488,34 @@ class GroupSave:
         return out
 
     def _write_host_manifest(self, data: bytes) -> None:
+        """Write this host's manifest, adding the chunks it already held from earlier checkpoints.
+
+        The plan skips replicating a chunk the partner host already holds; this host's manifest
+        must then reference the pack that holds it, or retention could delete that pack with the
+        older manifest and B2 would silently stop being true.
+        """
         ctx = self.ctx
         assert ctx.host_tier is not None
+        where = f"{ctx.host_tier.url}/{layout.manifest_path(self.step)}"
+        manifest = decode_manifest(data, where)
+        catalog = ctx.host_catalog
+        if catalog is not None:
+            held = {
+                d: catalog.locations[d]
+                for item in manifest.items.values()
+                for d in item.chunks
+                if d not in manifest.locations and d in catalog.locations
+            }
+            if held:
+                packs = {**{held[d].pack: catalog.packs[held[d].pack] for d in held}, **manifest.packs}
+                manifest = dataclasses.replace(
+                    manifest, locations={**held, **manifest.locations}, packs=packs
+                )
+                data = manifest.encode()
         failpoints.hit("pipeline.before_replica_manifest", rank=ctx.rank)
         ctx.host_tier.write(layout.manifest_path(self.step), data)
-        if ctx.host_catalog is not None:
-            from shoal.format.manifest import decode_manifest
-
-            ctx.host_catalog.add_manifest(decode_manifest(data, f"{ctx.host_tier.url}/{self.step}"))
+        if catalog is not None:
+            catalog.add_manifest(manifest)
 
     # -- C6, C7: drain and commit ------------------------------------------------------------
     def _drain(self, plan: GroupPlan) -> PackIndex | None:

@@ -8,11 +8,14 @@ the chunks of all distinct items back to back.
 Two levels, both exact:
 
 1. **Items.** Each rank is compared with the last similar rank (a *template*), position by
-   position, in C: an item with the same key and the same digest tuple is the template's
-   item. Ranks that match the same template at the same positions form a *class*, so
-   data-parallel replicas add one slot to one list each. Items that differ are looked up
-   by their full ``(key, digests)`` in a dictionary. A rank that matches less than half of
-   its template becomes a template itself.
+   position, in one pass that touches each item once (tuple and string comparisons run in
+   C): an item with the same key and the same digest tuple is the template's item. Ranks
+   that match the same template at the same positions form a *class*, so data-parallel
+   replicas add one slot to one list each. Items that differ are looked up by their full
+   ``(key, digests)`` in a dictionary. A rank that matches less than half of its template
+   is compared with the template where its first differing item was seen (tensor-parallel
+   shards alternate templates), and otherwise becomes a template itself. Items with equal
+   key and digests are one item: its ``nbytes`` is the first reporter's.
 2. **Chunks.** A chunk may still appear in two distinct items (a tied weight, zeros). Every
    digest of every distinct item is bucketed by its Python ``hash`` (cached on the string)
    with a numpy sort; equal hashes are then compared as full strings, so a duplicate is
@@ -22,15 +25,13 @@ Two levels, both exact:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
-from operator import and_, attrgetter, eq
-from typing import TYPE_CHECKING
+from operator import attrgetter
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from shoal.group.planner import ItemChunks
+from shoal.group.plan import ItemChunks
 
 _KEY = attrgetter("key")
 _DIGESTS = attrgetter("digests")
@@ -70,13 +71,12 @@ class Holdings:
     start: np.ndarray
     """Flat position of each item's first chunk."""
     dups: Duplicates | None
+    seen: list[Sequence[ItemChunks]] = field(default_factory=list)
+    """Per slot, the items the slot was taken to hold (same key and digests as its own, from
+    whichever rank reported them first), position by position: what :func:`same_reports`
+    compares new reports with."""
     _key_rank: np.ndarray | None = None
     _digests: list[str] | None = None
-
-    @property
-    def total(self) -> int:
-        """Chunks of all distinct items."""
-        return int(self.count.sum())
 
     @property
     def digests(self) -> list[str]:
@@ -103,29 +103,51 @@ class Holdings:
 
 @dataclass
 class _Template:
+    reports: list[ItemChunks]
+    """The template rank's own items."""
     keys: list[str]
     digests: list[tuple[str, ...]]
     items: np.ndarray
+    """Distinct item of each position."""
 
 
 class _Items:
-    """Distinct items by exact ``(key, digests)``, in order of first appearance."""
+    """Distinct items by exact ``(key, digests)``, in order of first appearance.
+
+    Per item it also records, while the item is in cache, its chunk count, its bytes and
+    (at each :meth:`flush`) the ``hash`` of each chunk digest, cached on the string by the
+    dictionary lookup.
+    """
 
     def __init__(self) -> None:
         self.ids: dict[tuple[str, tuple[str, ...]], int] = {}
         self.items: list[ItemChunks] = []
         self.origin: list[int] = []
-        self.hashes: list[tuple[int, ...]] = []
-        """``hash`` of every chunk digest of the items, flat: taken while the strings are in cache."""
+        self.counts: list[int] = []
+        self.nbytes: list[int] = []
+        self.hashes: list[np.ndarray] = []
+        self.hashed = 0
+        """Items whose digests' hashes are in ``hashes``: see :meth:`flush`."""
+
+    def flush(self) -> None:
+        """Hash the digests of the items added since the last flush, while they are in cache."""
+        if self.hashed < len(self.items):
+            new = self.items[self.hashed :]
+            n = sum(self.counts[self.hashed :])
+            self.hashes.append(np.fromiter(map(hash, chain.from_iterable(map(_DIGESTS, new))), np.int64, n))
+            self.hashed = len(self.items)
 
     def one(self, key: str, digests: tuple[str, ...], item: ItemChunks, template: int) -> int:
         kd = (key, digests)
         i = self.ids.get(kd)
         if i is None:
+            if len(item.lengths) != len(digests):
+                raise _mismatch(item)
             i = self.ids[kd] = len(self.items)
             self.items.append(item)
             self.origin.append(template)
-            self.hashes.append(tuple(map(hash, digests)))
+            self.counts.append(len(digests))
+            self.nbytes.append(sum(item.lengths))
         return i
 
     def all(
@@ -135,34 +157,79 @@ class _Items:
         n0, n = len(self.items), len(kds)
         if not any(map(self.ids.__contains__, kds)):  # all new: one C-level update
             self.ids.update(zip(kds, range(n0, n0 + n), strict=True))
-            if len(self.ids) == n0 + n:
+            counts = list(map(len, digests))
+            if len(self.ids) == n0 + n and counts == list(map(len, map(_LENGTHS, items))):
                 self.items.extend(items)
                 self.origin.extend([template] * n)
-                self.hashes.append(tuple(map(hash, chain.from_iterable(digests))))
+                self.counts.extend(counts)
+                self.nbytes.extend(map(sum, map(_LENGTHS, items)))
                 return list(range(n0, n0 + n))
-            for kd in kds:  # an item repeated within the rank: undo, take the careful path
+            for kd in kds:  # an item repeated within the rank, or malformed: undo, go one by one
                 self.ids.pop(kd, None)
         return [self.one(k, d, it, template) for (k, d), it in zip(kds, items, strict=True)]
 
 
-def _compare(keys: list[str], digests: list[tuple[str, ...]], t: _Template) -> tuple[list[bool], int]:
-    if keys == t.keys:
-        eqs = list(map(eq, digests, t.digests))
-    else:
-        eqs = list(map(and_, map(eq, keys, t.keys), map(eq, digests, t.digests)))
+def _mismatch(item: ItemChunks) -> ValueError:
+    return ValueError(
+        f"item {item.key!r}: {len(item.digests)} chunk digests but {len(item.lengths)} chunk lengths"
+    )
+
+
+def _compare(items: Sequence[ItemChunks], t: _Template) -> tuple[list[bool], int]:
+    """Per position, whether ``items`` has the template's item there; and how many do.
+
+    One pass in which each item is touched once: the reports of thousands of ranks do not
+    fit in cache, so passes, not comparisons, are what cost.
+    """
+    eqs = [it.digests == d and it.key == k for it, d, k in zip(items, t.digests, t.keys, strict=False)]
     return eqs, eqs.count(True)
 
 
-def _falses(flags: list[bool]) -> list[int]:
-    """Positions of False in ``flags`` (C-level scans: cheap when few differ)."""
+def _probe(items: Sequence[ItemChunks], t: _Template) -> bool:
+    """Whether any of a few sampled positions holds the template's item: a full comparison
+    is not worth its pass when none does (every rank of a fully sharded job)."""
+    n = min(len(items), len(t.keys))
+    if n < 8:
+        return True
+    for p in (0, n // 4, n // 2, 3 * n // 4, n - 1):
+        if items[p].digests == t.digests[p] and items[p].key == t.keys[p]:
+            return True
+    return False
+
+
+def _match(
+    items: Sequence[ItemChunks], templates: list[_Template], last: int, known: _Items
+) -> tuple[int, list[bool], int]:
+    """The template to compare ``items`` with, per position whether it matches, and how many do.
+
+    The last template used, else the one where this rank's first differing item was seen (the
+    same tensor-parallel shard on another node, say): the closer of the two. (-1, [], 0): none.
+    """
+    if last < 0:
+        return -1, [], 0
+    tid, matched = last, 0
+    eqs: list[bool] = []
+    if _probe(items, templates[last]):
+        eqs, matched = _compare(items, templates[last])
+    if 2 * matched < len(items):
+        p = eqs.index(False) if False in eqs else len(eqs) if eqs else 0
+        other = known.ids.get((items[p].key, items[p].digests)) if p < len(items) else None
+        alt = known.origin[other] if other is not None else -1
+        if alt >= 0 and alt != last and _probe(items, templates[alt]):
+            alt_eqs, alt_matched = _compare(items, templates[alt])
+            if alt_matched > matched:
+                return alt, alt_eqs, alt_matched
+    return tid, eqs, matched
+
+
+def _falses(flags: list[bool], count: int) -> list[int]:
+    """Positions of the ``count`` False values in ``flags`` (C-level scans: cheap when few)."""
     out: list[int] = []
     i = -1
-    try:
-        while True:
-            i = flags.index(False, i + 1)
-            out.append(i)
-    except ValueError:
-        return out
+    for _ in range(count):
+        i = flags.index(False, i + 1)
+        out.append(i)
+    return out
 
 
 def index_reports(reports: Sequence[Sequence[ItemChunks]]) -> Holdings:
@@ -170,56 +237,70 @@ def index_reports(reports: Sequence[Sequence[ItemChunks]]) -> Holdings:
     known = _Items()
     templates: list[_Template] = []
     classes: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # (template, positions lacked) -> slots
-    extra_item: list[int] = []  # (item, slot) pairs held outside a template match
+    extras: list[ItemChunks] = []  # items held outside a template match, and by which slot
     extra_slot: list[int] = []
-    last, fast = -1, True
+    seen: list[Sequence[ItemChunks]] = []  # per slot: items equal to its own, position by position
+    last = -1
     for slot, its in enumerate(reports):
         if not its:
+            seen.append(())
             continue
-        keys = [it.key for it in its]
-        digests = [it.digests for it in its]
-        n = len(keys)
-        tid, matched = -1, 0
-        eqs: list[bool] = []
-        if last >= 0:
-            t = templates[last]
-            if fast and digests == t.digests and keys == t.keys:
-                classes[(last, ())].append(slot)
-                continue
-            tid = last
-            eqs, matched = _compare(keys, digests, t)
-            if 2 * matched < n and False in eqs:
-                # Try the template where this rank's first differing item was seen (the same
-                # tensor-parallel shard on another node, say); keep the closer of the two.
-                p = eqs.index(False)
-                other = known.ids.get((keys[p], digests[p]))
-                alt = known.origin[other] if other is not None else -1
-                if alt >= 0 and alt != last:
-                    alt_eqs, alt_matched = _compare(keys, digests, templates[alt])
-                    if alt_matched > matched:
-                        tid, eqs, matched = alt, alt_eqs, alt_matched
+        n = len(its)
+        tid, eqs, matched = _match(its, templates, last, known)
         if tid < 0 or 2 * matched < n:
             tid = len(templates)
-            templates.append(
-                _Template(keys, digests, np.array(known.all(keys, digests, its, tid), dtype=np.int64))
-            )
+            keys = [it.key for it in its]
+            digests = [it.digests for it in its]
+            gids = np.array(known.all(keys, digests, its, tid), dtype=np.int64)
+            templates.append(_Template(list(its), keys, digests, gids))
             classes[(tid, ())] = [slot]
-            last, fast = tid, True
+            seen.append(templates[tid].reports)
+            known.flush()
+            last = tid
             continue
-        t_len = len(templates[tid].keys)
+        t = templates[tid]
+        t_len = len(t.keys)
         if matched == t_len == n:
             classes[(tid, ())].append(slot)
-            fast = True
+            seen.append(t.reports)
         else:
-            differ = _falses(eqs)
+            differ = _falses(eqs, len(eqs) - matched)
             classes.setdefault((tid, (*differ, *range(n, t_len))), []).append(slot)
+            mine = t.reports[:n]
             for p in chain(differ, range(t_len, n)):
-                extra_item.append(known.one(keys[p], digests[p], its[p], -1))
+                it = its[p]
+                extras.append(it)
                 extra_slot.append(slot)
-            fast = False
+                if p < len(mine):
+                    mine[p] = it
+                else:
+                    mine.append(it)
+            seen.append(mine)
         last = tid
+    # Items outside template matches are looked up once all templates are known, in one batch.
+    extra_item = [known.one(it.key, it.digests, it, -1) for it in extras]
+    known.flush()
     holder, sets, logical = _holders(known.items, templates, classes, extra_item, extra_slot)
-    return _chunks(known, holder, sets, logical)
+    h = _chunks(known, holder, sets, logical)
+    h.seen = seen
+    return h
+
+
+def same_reports(h: Holdings, reports: Sequence[Sequence[ItemChunks]]) -> bool:
+    """Whether ``reports`` (per slot) have the same items as those ``h`` was built from: same
+    keys, nbytes and digest tuples, position by position (full strings, one pass per rank)."""
+    if len(reports) != len(h.seen):
+        return False
+    for its, ref in zip(reports, h.seen, strict=True):
+        if len(its) != len(ref):
+            return False
+        same = [
+            a.digests == b.digests and a.key == b.key and a.nbytes == b.nbytes
+            for a, b in zip(its, ref, strict=True)
+        ]
+        if False in same:
+            return False
+    return True
 
 
 def _holders(
@@ -280,23 +361,19 @@ def _holders(
 
 
 def _chunks(known: _Items, holder: np.ndarray, sets: list[tuple[int, ...]], logical: int) -> Holdings:
-    items = known.items
-    n_items = len(items)
-    count = np.fromiter(map(len, map(_DIGESTS, items)), np.int64, n_items)
-    n_lengths = np.fromiter(map(len, map(_LENGTHS, items)), np.int64, n_items)
-    if not np.array_equal(count, n_lengths):
-        bad = items[int(np.flatnonzero(count != n_lengths)[0])]
-        raise ValueError(
-            f"item {bad.key!r}: {len(bad.digests)} chunk digests but {len(bad.lengths)} chunk lengths"
-        )
-    nbytes = np.fromiter(map(sum, map(_LENGTHS, items)), np.int64, n_items)
+    count = np.array(known.counts, dtype=np.int64)
+    nbytes = np.array(known.nbytes, dtype=np.int64)
     start = np.cumsum(count) - count
-    h = Holdings(items, holder, sets, logical, count, nbytes, start, None)
-    h.dups = _duplicates(h, np.fromiter(chain.from_iterable(known.hashes), np.int64, int(count.sum())))
+    h = Holdings(known.items, holder, sets, logical, count, nbytes, start, None)
+    known.flush()
+    hashes = np.concatenate(known.hashes) if known.hashes else np.zeros(0, dtype=np.int64)
+    h.dups = _duplicates(h, hashes)
     return h
 
 
 def _duplicates(h: Holdings, hashes: np.ndarray) -> Duplicates | None:
+    """Chunks at several flat positions: equal Python hashes (cached on the strings), then equal
+    full strings. Sorting 64-bit integers is the only pass over all chunks."""
     total = len(hashes)
     ordered = np.sort(hashes)
     equal = ordered[1:] == ordered[:-1]

@@ -7,6 +7,7 @@ They return plain data (picklable) for the test process to assert on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -253,7 +254,7 @@ def bench_group_save(rank: int, world: int, *, root: str, mib_per_rank: int, rep
 
 
 def direct_dcp_save(rank: int, world: int, *, root: str) -> dict[str, Any]:
-    """``dcp.save``/``dcp.load`` with shoal's writer and reader in a multi-rank job (partner copies in DRAM)."""
+    """``dcp.save``/``dcp.load`` with shoal's writer and reader, multi-rank, partner copies in DRAM."""
     import torch.distributed.checkpoint as dcp
 
     from shoal import dcp as shoal_dcp
@@ -270,5 +271,41 @@ def direct_dcp_save(rank: int, world: int, *, root: str) -> dict[str, Any]:
         reader = shoal_dcp.StorageReader(ckpt, 5)
         dcp.load(target, storage_reader=reader)
         assert_state_equal(target, state)
-        replica_manifest = os.path.exists(os.path.join(root, "dram", "test", ckpt.host, layout.manifest_path(5)))
+        replica = os.path.join(root, "dram", "test", ckpt.host, layout.manifest_path(5))
+        replica_manifest = os.path.exists(replica)
         return {"handle": _handle_summary(handle), "replica_manifest_in_dram": replica_manifest}
+
+
+def held_replicas_are_reused(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """Step 1 reaches B2 but its drain fails everywhere; step 2 (same state) reuses the partner copies.
+
+    Returns what step 2 sent to partners and, from this host's manifest of step 2 on its local
+    tier, how many of the checkpoint's chunks it references there.
+    """
+    cfg = group_config(root)
+    state = dp_state(rank)
+    out: dict[str, Any] = {}
+    with Checkpointer(cfg) as ckpt:
+        failpoints.configure("pipeline.before_drain=raise")
+        first = ckpt.save(1, state)
+        with contextlib.suppress(Exception):  # it fails at B3, as armed
+            first.wait(timeout=60)
+        failpoints.configure(None)
+        out["first"] = _handle_summary(first)
+        second = ckpt.save(2, state)
+        second.wait(timeout=60)
+        ckpt.wait()
+        out["second"] = _handle_summary(second)
+        events = ckpt.config.event_log
+        host = ckpt.host
+    with open(events) as f:  # type: ignore[arg-type]
+        rows = [json.loads(line) for line in f]
+    out["sent"] = {
+        step: sum(r.get("sent_bytes", 0) for r in rows if r["event"] == "replicate" and r["step"] == step)
+        for step in (1, 2)
+    }
+    with open(os.path.join(root, "local", "test", host, layout.manifest_path(2)), "rb") as f:
+        manifest = json.loads(f.read())
+    out["host"] = host
+    out["located"] = len(manifest["locations"])
+    return out
