@@ -30,10 +30,8 @@ import contextlib
 import dataclasses
 import json
 import logging
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import blake3
@@ -41,12 +39,19 @@ import blake3
 from shoal import __version__, failpoints
 from shoal.boundary import Boundary
 from shoal.engine.catalog import ChunkCatalog
-from shoal.engine.events import EventLog
-from shoal.engine.handle import SaveHandle
-from shoal.engine.stager import Slot
-from shoal.errors import ChecksumMismatch, ShoalError
+from shoal.engine.protocol import (
+    STAGED_DIR,
+    GroupFailure,
+    PipelineContext,
+    RankReport,
+    ReportItem,
+    SaveJob,
+    check_errors,
+    describe,
+)
+from shoal.errors import ChecksumMismatch
 from shoal.format import layout
-from shoal.format.chunking import Hasher, chunk_spans, digest
+from shoal.format.chunking import chunk_spans, digest
 from shoal.format.manifest import (
     ChunkLocation,
     ItemRecord,
@@ -58,101 +63,19 @@ from shoal.format.manifest import (
     decode_manifest,
 )
 from shoal.format.pack import PackBuilder, PackEntry, PackIndex
-from shoal.group.fabric import Fabric
-from shoal.group.planner import ChunkRef, GroupPlan, ItemChunks, PlanCache, RankChunks
-from shoal.group.topology import Topology
-from shoal.tiers.base import Tier
+from shoal.group.planner import ChunkRef, GroupPlan, ItemChunks, RankChunks
 
 log = logging.getLogger(__name__)
 
-
-STAGED_DIR = "staged"
-"""Where each DRAM slot's staged index lives in the DRAM tier."""
-
-
-class GroupFailure(ShoalError, RuntimeError):
-    """A checkpoint failed on some rank; every rank reports the same error."""
-
-
-@dataclass(eq=False)
-class SaveJob:
-    """One staged checkpoint handed to the pipeline (on every rank)."""
-
-    step: int
-    slot: Slot
-    handle: SaveHandle
-    job: str
-    created: float = field(default_factory=time.time)
-    dcp: Mapping[str, Any] | None = None
-    dcp_ready: threading.Event = field(default_factory=threading.Event)
-    """Set by DCP's ``finish`` (coordinator) once ``dcp`` holds the encoded metadata, or an abort."""
-    aborted: str | None = None
-
-
-@dataclass(frozen=True)
-class ReportItem:
-    key: str
-    kind: str
-    nbytes: int
-    dtype: str | None
-    shape: tuple[int, ...] | None
-    digests: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class RankReport:
-    """What a rank tells the coordinator in C1."""
-
-    rank: int
-    host: str
-    items: tuple[ReportItem, ...]
-    held: frozenset[str] | None = None
-    error: str | None = None
-
-
-@dataclass
-class PipelineContext:
-    """Everything the protocol needs on one rank; owned by the pipeline, used by one thread."""
-
-    fabric: Fabric
-    topology: Topology
-    shared: Tier
-    host_tier: Tier | None
-    """Where partner copies land (local disk or DRAM); None when nothing is replicated."""
-    chunk_size: int
-    replicate: bool
-    events: EventLog
-    hasher: Hasher
-    dram: Tier | None = None
-    """The host's DRAM tier: each slot's staged index (``staged/<slot>.json``) is kept there."""
-    shared_catalog: ChunkCatalog | None = None
-    host_catalog: ChunkCatalog | None = None
-    dcp_timeout: float = 300.0
-    plan_cache: PlanCache = field(default_factory=PlanCache)
-    """The coordinator's plans, reused while the layout and the digests stay the same."""
-    scratch: bytearray = field(default_factory=bytearray)
-
-    @property
-    def rank(self) -> int:
-        return self.fabric.rank
-
-    @property
-    def host(self) -> str:
-        return self.topology.host_of(self.rank)
-
-    @property
-    def is_host_leader(self) -> bool:
-        return self.topology.leader(self.host) == self.rank
-
-
-def _describe(rank: int, phase: str, e: BaseException) -> str:
-    return f"rank {rank} ({phase}): {type(e).__name__}: {e}"
-
-
-def _check(errors: Sequence[str | None]) -> None:
-    bad = [e for e in errors if e]
-    if bad:
-        raise GroupFailure("; ".join(bad))
+__all__ = [
+    "STAGED_DIR",
+    "GroupFailure",
+    "GroupSave",
+    "PipelineContext",
+    "RankReport",
+    "ReportItem",
+    "SaveJob",
+]
 
 
 class GroupSave:
@@ -232,7 +155,7 @@ class GroupSave:
         """Remember an error raised on this rank; return its description for the other ranks."""
         if self.local_error is None:
             self.local_error = e
-        return _describe(self.ctx.rank, phase, e)
+        return describe(self.ctx.rank, phase, e)
 
     def _guard(self, phase: str, fn: Any) -> Any:
         """Run local work; an exception becomes an error string for the next collective."""
@@ -397,7 +320,7 @@ class GroupSave:
             ack = self._guard(
                 "write replica manifest", lambda: self._write_host_manifest(manifests[ctx.host])
             )
-        _check(self._collective(ctx.fabric.all_gather, ack))  # C5
+        check_errors(self._collective(ctx.fabric.all_gather, ack))  # C5
 
     def _replicate(self, plan: GroupPlan) -> PackIndex | str | None:
         """Send this rank's transfers and receive its own into one verified pack on the host tier."""

@@ -1,0 +1,112 @@
+"""The data of the group-save protocol: jobs, reports, the per-rank context, and its errors.
+
+Kept apart from :mod:`shoal.engine.group_save` (the protocol's steps) so that the pipeline
+and the checkpointer can name these types without the protocol's machinery.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.engine.catalog import ChunkCatalog
+from shoal.engine.events import EventLog
+from shoal.engine.handle import SaveHandle
+from shoal.engine.stager import Slot
+from shoal.errors import ShoalError
+from shoal.format.chunking import Hasher
+from shoal.group.fabric import Fabric
+from shoal.group.planner import PlanCache
+from shoal.group.topology import Topology
+from shoal.tiers.base import Tier
+
+STAGED_DIR = "staged"
+"""Where each DRAM slot's staged index lives in the DRAM tier."""
+
+
+class GroupFailure(ShoalError, RuntimeError):
+    """A checkpoint failed on some rank; every rank reports the same error."""
+
+
+@dataclass(eq=False)
+class SaveJob:
+    """One staged checkpoint handed to the pipeline (on every rank)."""
+
+    step: int
+    slot: Slot
+    handle: SaveHandle
+    job: str
+    created: float = field(default_factory=time.time)
+    dcp: Mapping[str, Any] | None = None
+    dcp_ready: threading.Event = field(default_factory=threading.Event)
+    """Set by DCP's ``finish`` (coordinator) once ``dcp`` holds the encoded metadata, or an abort."""
+    aborted: str | None = None
+
+
+@dataclass(frozen=True)
+class ReportItem:
+    key: str
+    kind: str
+    nbytes: int
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    digests: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What a rank tells the coordinator in C1."""
+
+    rank: int
+    host: str
+    items: tuple[ReportItem, ...]
+    held: frozenset[str] | None = None
+    error: str | None = None
+
+
+@dataclass
+class PipelineContext:
+    """Everything the protocol needs on one rank; owned by the pipeline, used by one thread."""
+
+    fabric: Fabric
+    topology: Topology
+    shared: Tier
+    host_tier: Tier | None
+    """Where partner copies land (local disk or DRAM); None when nothing is replicated."""
+    chunk_size: int
+    replicate: bool
+    events: EventLog
+    hasher: Hasher
+    dram: Tier | None = None
+    """The host's DRAM tier: each slot's staged index (``staged/<slot>.json``) is kept there."""
+    shared_catalog: ChunkCatalog | None = None
+    host_catalog: ChunkCatalog | None = None
+    dcp_timeout: float = 300.0
+    plan_cache: PlanCache = field(default_factory=PlanCache)
+    """The coordinator's plans, reused while the layout and the digests stay the same."""
+    scratch: bytearray = field(default_factory=bytearray)
+
+    @property
+    def rank(self) -> int:
+        return self.fabric.rank
+
+    @property
+    def host(self) -> str:
+        return self.topology.host_of(self.rank)
+
+    @property
+    def is_host_leader(self) -> bool:
+        return self.topology.leader(self.host) == self.rank
+
+
+def describe(rank: int, phase: str, e: BaseException) -> str:
+    return f"rank {rank} ({phase}): {type(e).__name__}: {e}"
+
+
+def check_errors(errors: Sequence[str | None]) -> None:
+    bad = [e for e in errors if e]
+    if bad:
+        raise GroupFailure("; ".join(bad))
