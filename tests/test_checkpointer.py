@@ -182,5 +182,7 @@ def test_close_gives_the_dram_slabs_back(config):
         ckpt.save(1, {"w": torch.randn(10_000)}).wait(timeout=60)
         slabs = os.path.join(ckpt.dram.url, "slabs")
         assert os.listdir(slabs)  # the slab of the save (and the warmed spare) live in /dev/shm
+        staged = os.path.join(ckpt.dram.url, "staged")
+        assert os.listdir(staged)  # with the index of what the slot holds
         ckpt.wait()
-    assert os.listdir(slabs) == []
+    assert os.listdir(slabs) == [] and os.listdir(staged) == []

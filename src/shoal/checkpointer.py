@@ -27,7 +27,7 @@ from shoal.boundary import Boundary
 from shoal.config import Config
 from shoal.engine.catalog import ChunkCatalog
 from shoal.engine.events import EventLog
-from shoal.engine.group_save import PipelineContext, SaveJob
+from shoal.engine.group_save import STAGED_DIR, PipelineContext, SaveJob
 from shoal.engine.handle import SaveHandle
 from shoal.engine.pipeline import Pipeline
 from shoal.engine.stager import Slot, SlotRing, StagedItem, StageEntry, stage_into
@@ -393,6 +393,8 @@ class Checkpointer:
             self._warmer.join()
         # Every checkpoint is finished: the staged copies are redundant, give /dev/shm back.
         self._ring.close(release_memory=True)
+        for slot in self._ring.slots:  # their staged indexes describe slabs that are gone
+            self.dram.delete(f"{STAGED_DIR}/{slot.name}.json")
         for tier in (self.shared, self.dram):
             tier.close()
 
