@@ -87,6 +87,7 @@ def test_a_failing_drain_leaves_training_running_and_the_next_save_succeeds(tmp_
         assert r["second"]["failed_at"] == int(shoal.Boundary.PERSISTED)
         assert r["latest_after_failure"] == 1
         assert r["loaded"] == 1
+        assert r["newest"] == 2  # reached B2 before its drain failed: restorable from DRAM and partners
         assert r["third"]["error"] is None and r["third"]["reached"] == int(shoal.Boundary.RESTARTABLE)
 
 

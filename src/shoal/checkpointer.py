@@ -30,9 +30,10 @@ from shoal.engine.events import EventLog
 from shoal.engine.group_save import STAGED_DIR, PipelineContext, SaveJob
 from shoal.engine.handle import SaveHandle
 from shoal.engine.pipeline import Pipeline
+from shoal.engine.restore import LoadReport, Restore, RestoreContext, sources_in
 from shoal.engine.stager import Slot, SlotRing, StagedItem, StageEntry, stage_into
 from shoal.engine.store import list_checkpoints, read_pointer, resolve_manifest
-from shoal.errors import CheckpointExists, ConfigError, ShoalError
+from shoal.errors import CheckpointExists, ConfigError
 from shoal.format import layout
 from shoal.format.chunking import Hasher
 from shoal.format.dcp_codec import encode_metadata
@@ -120,6 +121,20 @@ class Checkpointer:
         if host_tier is not None and context.is_host_leader:
             context.host_catalog = ChunkCatalog.scan(host_tier, committed_only=False)
         self._pipeline = Pipeline(context, self._ring, keep_last=cfg.keep_last)
+        local = host_tier if host_tier is not None and host_tier.kind == "local" else None
+        self._restore_context = RestoreContext(
+            fabric=fabric,
+            topology=self.topology,
+            host=self.host,
+            shared=self.shared,
+            host_tiers={
+                "local": local or open_tier("local", cfg.host_url(cfg.local)),
+                "dram": self.dram,
+            },
+            dram=self.dram,  # type: ignore[arg-type]
+        )
+        self.last_load: LoadReport | None = None
+        """What the last :meth:`load` used: step, metadata origin, bytes per tier."""
         self._lock = threading.Lock()
         self._staging: dict[int, SaveJob] = {}
         self._closed = False
@@ -245,6 +260,9 @@ class Checkpointer:
             return handle, None
         handle = SaveHandle(step, started=started)
         try:
+            # The slot's staged index describes the checkpoint about to be overwritten: drop it
+            # first, so that a crash mid-copy never leaves an index over half-new bytes.
+            self.dram.delete(f"{STAGED_DIR}/{slot.name}.json")
             staged = stage_into(slot, self.dram, entries, rank=self.rank)  # type: ignore[arg-type]
         except BaseException:
             self._ring.release(slot)
@@ -306,50 +324,58 @@ class Checkpointer:
 
     # -- load ----------------------------------------------------------------
     def load(self, state_dict: Mapping[str, Any], step: int | None = None) -> int:
-        """Load checkpoint ``step`` (None: the newest committed) into ``state_dict`` in place (collective).
+        """Load checkpoint ``step`` (None: the newest restorable) into ``state_dict`` in place (collective).
 
-        Checkpoints this process saved are finished first, so a load sees them.
-        Tensors are filled in place, resharded if the saved layout differs;
-        non-tensor values are replaced in ``state_dict``. Every chunk is verified
-        against its BLAKE3 digest. Returns the step loaded.
+        The job takes an inventory of what survives (this job's DRAM slabs, every host's
+        partner copies, the shared tier) and loads the newest checkpoint whose every chunk
+        is still somewhere, reading each chunk once in the job, from the nearest copy, and
+        sending it over the fabric to the ranks that need it. Checkpoints this process
+        saved are finished first. Tensors are filled in place, resharded if the saved
+        layout differs; non-tensor values are replaced in ``state_dict``. Every chunk is
+        verified against its BLAKE3 digest; a bad copy is replaced by another. Returns the
+        step loaded; :attr:`last_load` says which sources served it.
 
         Raises:
-            CheckpointNotFound: nothing committed (or no such step).
-            ChecksumMismatch: a chunk's bytes do not match its digest (names item, pack, offset).
+            CheckpointNotFound: nothing restorable (or no such step); says what is missing.
+            ChecksumMismatch: every copy of a chunk is corrupt (names item, packs, offsets).
+            RestoreFailed: a chunk could not be read from any copy (names every place tried).
         """
         self._check_open()
         self._pipeline.flush()
         from shoal import dcp as shoal_dcp
 
-        # Resolved here, not inside dcp.load, so a missing checkpoint raises CheckpointNotFound as itself;
-        # the coordinator chooses, so every rank loads the same step.
-        reader = shoal_dcp.StorageReader(self, _manifest=self._agree_on_manifest(step))
-        target = state_dict if isinstance(state_dict, dict) else dict(state_dict)
         t0 = time.perf_counter()
+        # Chosen here, not inside dcp.load, so a missing checkpoint raises CheckpointNotFound as itself.
+        restore = self._begin_restore(step)
+        reader = shoal_dcp.StorageReader(self, _restore=restore)
+        target = state_dict if isinstance(state_dict, dict) else dict(state_dict)
         with _quiet_no_dist(), _unwrapped_errors():
             torch_dcp.load(target, storage_reader=reader, no_dist=self.world_size == 1)
-        assert reader.step is not None
-        self._events.emit("loaded", reader.step, bytes=reader.bytes_read, seconds=time.perf_counter() - t0)
+        report = restore.report
+        assert reader.step is not None and report is not None
+        self.last_load = report
+        self._events.emit(
+            "loaded",
+            reader.step,
+            seconds=time.perf_counter() - t0,
+            origin=report.origin,
+            bytes_by_tier=dict(report.bytes_by_tier),
+            fabric_bytes=report.fabric_bytes,
+            repaired=report.repaired,
+        )
+        log.info("loaded %s", sources_in(report))
         return reader.step
 
-    def _agree_on_manifest(self, step: int | None) -> Manifest:
-        """Collective: the coordinator resolves ``step`` (None: LATEST); every rank reads that manifest."""
-        if self.world_size == 1:
-            return self._resolve_manifest(step)
-        chosen: tuple[int | None, BaseException | None] = (None, None)
-        if self.rank == 0:
-            try:
-                chosen = (self._resolve_manifest(step).step, None)
-            except ShoalError as e:
-                chosen = (None, e)
-        box = [chosen]
-        dist.broadcast_object_list(box, src=0)
-        chosen_step, error = box[0]
-        if error is not None:
-            raise error
-        return self._resolve_manifest(chosen_step)
+    def _begin_restore(self, step: int | None) -> Restore:
+        """Collective: the inventory and the choice of checkpoint; the session that reads it."""
+        if step is not None:
+            layout.check_step(step)
+        restore = Restore(self._restore_context)
+        restore.begin(step)
+        return restore
 
     def _resolve_manifest(self, step: int | None) -> Manifest:
+        """The shared tier's manifest of ``step`` (None: LATEST's), checked against its commit record."""
         return resolve_manifest(self.shared, step)
 
     def latest(self, boundary: Boundary = Boundary.RESTARTABLE) -> int | None:

@@ -46,8 +46,8 @@ from torch.futures import Future
 
 from shoal.boundary import Boundary
 from shoal.engine.handle import SaveHandle
+from shoal.engine.restore import LoadReport, Restore
 from shoal.engine.stager import StageEntry
-from shoal.engine.store import ItemReader
 from shoal.errors import FormatError
 from shoal.format.dcp_codec import decode_metadata
 from shoal.format.manifest import ItemRecord, Manifest
@@ -224,21 +224,32 @@ def _writable_view(tensor: torch.Tensor) -> memoryview | None:
 
 
 class StorageReader(_DcpStorageReader):
-    """Reads checkpoint ``step`` (None: the newest committed) of ``checkpointer`` through DCP.
+    """Reads checkpoint ``step`` (None: the newest restorable) of ``checkpointer`` through DCP.
 
-    Every rank reads the items its load plan names; each chunk is verified
-    against its BLAKE3 digest before any of its bytes reach the state dict.
-    After ``dcp.load`` returns, :attr:`step` is the step that was loaded.
+    Collective like ``dcp.load`` itself: ``read_metadata`` takes the job's inventory and
+    agrees on the checkpoint (its metadata may come from the shared tier or from a host's
+    copy); ``read_data`` reads each chunk the ranks need once in the job, from the nearest
+    surviving copy, and spreads it over the fabric (DESIGN.md section 5). Every chunk is
+    verified against its BLAKE3 digest before any of its bytes reach the state dict; a bad
+    copy is replaced by another. Resharding works: reads are DCP's offsets and lengths into
+    saved items. After ``dcp.load`` returns, :attr:`step` is the step loaded and
+    :attr:`report` says which sources served it.
     """
 
     def __init__(
-        self, checkpointer: Checkpointer, step: int | None = None, *, _manifest: Manifest | None = None
+        self, checkpointer: Checkpointer, step: int | None = None, *, _restore: Restore | None = None
     ) -> None:
         super().__init__()
         self.checkpointer = checkpointer
-        self.step = step if _manifest is None else _manifest.step
-        self._manifest: Manifest | None = _manifest
-        self.bytes_read = 0
+        self._restore = _restore
+        manifest = _restore.manifest if _restore is not None else None
+        self.step = step if manifest is None else manifest.step
+        self._requested = step
+        self.report: LoadReport | None = None
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(self.report.bytes_by_tier.values()) if self.report else 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -247,13 +258,18 @@ class StorageReader(_DcpStorageReader):
                 f"checkpoint_id (got {checkpoint_id!r})"
             )
 
+    def _manifest(self) -> Manifest:
+        if self._restore is None:
+            self._restore = self.checkpointer._begin_restore(self._requested)
+        assert self._restore.manifest is not None
+        return self._restore.manifest
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        manifest = self._manifest or self.checkpointer._resolve_manifest(self.step)
+        manifest = self._manifest()
         if manifest.dcp is None:
             raise FormatError(
                 f"step {manifest.step} was not saved through DCP: its manifest has no DCP metadata"
             )
-        self._manifest = manifest
         self.step = manifest.step
         return decode_metadata(manifest.dcp)
 
@@ -269,24 +285,31 @@ class StorageReader(_DcpStorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        manifest = self._manifest
-        if manifest is None:
+        if self._restore is None or self._restore.manifest is None:
             raise RuntimeError("read_data before read_metadata")
+        manifest = self._restore.manifest
         storage = self._metadata.storage_data or {}
         groups: dict[str, list[ReadItem]] = defaultdict(list)
+        problem: str | None = None
         for ri in plan.items:
             key = storage.get(ri.storage_index)
             if not isinstance(key, str) or key not in manifest.items:
-                raise FormatError(
+                problem = (
                     f"step {manifest.step}: DCP item {ri.storage_index.fqn!r} "
                     f"(offset {ri.storage_index.offset}) "
                     f"has no stored item in the manifest (storage key {key!r})"
                 )
+                break
             groups[key].append(ri)
-        reader = ItemReader(self.checkpointer.shared, manifest)
-        for key, items in groups.items():
-            _read_item(reader, manifest.items[key], items, planner)
-        self.bytes_read += reader.bytes_read
+        dests: dict[str, memoryview] = {}
+        finishers: list[Any] = []
+        if problem is None:
+            for key, items in groups.items():
+                finishers.append(_prepare_item(manifest.items[key], items, planner, dests))
+        # Collective: every rank takes part, even with nothing to read or a bad plan.
+        self.report = self._restore.fetch(dests, problem=problem)
+        for finish in finishers:
+            finish()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -296,41 +319,47 @@ class StorageReader(_DcpStorageReader):
         return False
 
 
-def _read_item(reader: ItemReader, rec: ItemRecord, items: list[ReadItem], planner: LoadPlanner) -> None:
-    """Serve every read of one stored item, reading (and verifying) its bytes at most once."""
+def _prepare_item(
+    rec: ItemRecord, items: list[ReadItem], planner: LoadPlanner, dests: dict[str, memoryview]
+) -> Any:
+    """Choose where item ``rec``'s bytes land (``dests[key]``); return what completes the reads after."""
     if rec.kind == "bytes":
-        data = reader.read(rec.key)
-        for ri in items:
-            planner.load_bytes(ri, io.BytesIO(data))
-        return
+        buf = bytearray(rec.nbytes)
+        if rec.nbytes:
+            dests[rec.key] = memoryview(buf)
+
+        def finish_bytes() -> None:
+            for ri in items:
+                planner.load_bytes(ri, io.BytesIO(buf))
+
+        return finish_bytes
     dtype = _dtype(rec.dtype, rec.key)
     shape = tuple(rec.shape or ())
-    whole: torch.Tensor | None = None
-    for ri in items:
-        target = planner.resolve_tensor(ri).detach()
+    targets = [planner.resolve_tensor(ri).detach() for ri in items]
+    direct: int | None = None
+    for i, (ri, target) in enumerate(zip(items, targets, strict=True)):
         full = all(o == 0 for o in ri.storage_offsets) and tuple(ri.lengths) == shape
-        view = _writable_view(target) if full and whole is None else None
+        view = _writable_view(target) if full else None
         if view is not None and target.dtype == dtype and view.nbytes == rec.nbytes:
-            reader.read_into(rec.key, view)
-        else:
-            if whole is None:
-                whole = _load_whole(reader, rec, dtype, shape)
-            src = whole
-            for dim, (off, n) in enumerate(zip(ri.storage_offsets, ri.lengths, strict=True)):
-                src = src.narrow(dim, off, n)
-            if tuple(target.shape) != tuple(src.shape):
-                src = src.reshape(target.shape)
-            target.copy_(src)
-        planner.commit_tensor(ri, target)
+            direct = i
+            dests[rec.key] = view
+            break
+    whole = targets[direct] if direct is not None else torch.empty(shape, dtype=dtype)
+    if direct is None and rec.nbytes:
+        view = _writable_view(whole)
+        if view is None:
+            raise FormatError(f"item {rec.key!r}: {rec.nbytes} bytes but shape {shape} holds none")
+        dests[rec.key] = view
 
+    def finish_tensors() -> None:
+        for i, (ri, target) in enumerate(zip(items, targets, strict=True)):
+            if i != direct:
+                src = whole
+                for dim, (off, n) in enumerate(zip(ri.storage_offsets, ri.lengths, strict=True)):
+                    src = src.narrow(dim, off, n)
+                if tuple(target.shape) != tuple(src.shape):
+                    src = src.reshape(target.shape)
+                target.copy_(src)
+            planner.commit_tensor(ri, target)
 
-def _load_whole(
-    reader: ItemReader, rec: ItemRecord, dtype: torch.dtype, shape: tuple[int, ...]
-) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype)
-    view = _writable_view(out)
-    if view is not None:
-        reader.read_into(rec.key, view)
-    elif rec.nbytes:
-        raise FormatError(f"item {rec.key!r}: {rec.nbytes} bytes but shape {shape} holds none")
-    return out
+    return finish_tensors

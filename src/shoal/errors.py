@@ -75,3 +75,7 @@ __all__ = [
     "TierError",
     "UnsupportedFormat",
 ]
+
+
+class RestoreFailed(ShoalError, OSError):
+    """A chunk of the checkpoint being loaded could not be read from any copy; names every place tried."""

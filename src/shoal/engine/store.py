@@ -23,6 +23,8 @@ class CheckpointInfo:
     boundary: Boundary | None
     manifest: Manifest | None
     problem: str | None = None
+    error: Exception | None = None
+    """The error behind ``problem``."""
 
 
 def read_pointer(tier: Tier, path: str) -> Pointer | None:
@@ -72,7 +74,7 @@ def list_checkpoints(tier: Tier) -> list[CheckpointInfo]:
             commit = read_pointer(tier, layout.commit_path(step))
             manifest = read_manifest(tier, step, expect_digest=commit.manifest_blake3 if commit else None)
         except (FormatError, ChecksumMismatch, CheckpointNotFound) as e:
-            out.append(CheckpointInfo(step, None, None, str(e)))
+            out.append(CheckpointInfo(step, None, None, str(e), e))
             continue
         out.append(CheckpointInfo(step, Boundary.RESTARTABLE if commit else Boundary.PERSISTED, manifest))
     return out

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -84,22 +85,40 @@ def run_ranks(
             p.start()
         out: dict[int, Any] = {}
         failures: list[str] = []
+        deadline = time.monotonic() + timeout
+        grace: float | None = None  # once a rank failed, the others may wait on it: give them a moment
         try:
             while len(out) + len(failures) < world:
                 try:
-                    # once a rank failed, the others may wait on it in a collective: give them a moment
-                    rank, ok, value = results.get(timeout=10 if failures else timeout)
+                    rank, ok, value = results.get(timeout=1.0)
                 except queue.Empty:
-                    if failures:
-                        break
+                    now = time.monotonic()
                     dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out]
                     if dead and all(r in allow_death for r in dead) and len(out) + len(dead) == world:
                         break
-                    raise RankFailed(f"ranks timed out after {timeout} s; finished: {sorted(out)}") from None
+                    for r in dead:
+                        code = procs[r].exitcode
+                        if (
+                            r not in allow_death
+                            and code
+                            and not any(f.startswith(f"rank {r} ") for f in failures)
+                        ):
+                            failures.append(f"rank {r} died with exit code {code}")
+                            grace = grace or now + 10
+                    if grace is not None and now > grace:
+                        break
+                    if now > deadline:
+                        if failures:
+                            break
+                        raise RankFailed(
+                            f"ranks timed out after {timeout} s; finished: {sorted(out)}"
+                        ) from None
+                    continue
                 if ok:
                     out[rank] = value
                 else:
                     failures.append(f"rank {rank} failed:\n{value}")
+                    grace = grace or time.monotonic() + 10
         finally:
             for p in procs:
                 p.join(timeout=5)

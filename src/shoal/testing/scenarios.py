@@ -210,8 +210,11 @@ def failing_drain(rank: int, world: int, *, root: str, bad_rank: int) -> dict[st
         torch.distributed.barrier()
         out["latest_after_failure"] = ckpt.latest()
         target = zeros_like_state(state)
-        out["loaded"] = ckpt.load(target)
+        out["loaded"] = ckpt.load(target, step=ckpt.latest())
         assert_state_equal(target, state)
+        # Step 2 reached B2 (every chunk on two hosts) before its drain failed: it is restorable.
+        out["newest"] = ckpt.load(target)
+        assert_state_equal(target, {**state, "step": 2})
         third = ckpt.save(3, {**state, "step": 3})
         third.wait(timeout=60)
         out["third"] = _handle_summary(third)

@@ -24,7 +24,7 @@ import weakref
 
 import numpy as np
 
-from shoal.errors import InsufficientMemory, InvalidName, ShoalError
+from shoal.errors import InsufficientMemory, InvalidName, MissingFile, ShoalError
 from shoal.format.names import check_identifier
 from shoal.tiers.base import TierCapabilities
 from shoal.tiers.local import PosixTier, makedirs_durable
@@ -238,6 +238,25 @@ class DramTier(PosixTier):
         self._slabs.add(slab)
         log.debug("slab %s mapped: %d bytes", path, slab.capacity)
         return slab
+
+    def read_slab_into(self, name: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from slab ``name`` at ``offset`` (what a restarted process reads back)."""
+        path = self.slab_path(name)
+        view = memoryview(out).cast("B")
+        with self._wrap("read slab", name, missing=True):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                got = 0
+                while got < view.nbytes:
+                    n = os.preadv(fd, [view[got:]], offset + got)
+                    if n <= 0:
+                        raise MissingFile(
+                            f"slab {path} ends before byte {offset + view.nbytes} (read {got} of "
+                            f"{view.nbytes} bytes at offset {offset})"
+                        )
+                    got += n
+            finally:
+                os.close(fd)
 
     def delete_slab(self, name: str) -> None:
         """Remove the slab file ``name`` (mappings still open keep their memory until closed)."""

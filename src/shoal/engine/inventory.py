@@ -1,0 +1,209 @@
+"""What survives where: each host's DRAM slabs and host-tier packs, and the shared tier (DESIGN.md section 5).
+
+A host's leader lists its host (:func:`host_inventory`): the manifests and packs of its
+host tiers (partner copies, written at B2), and the staged index of every DRAM slab (what a
+slab holds, written by the pipeline once the slab's chunks are hashed). The coordinator
+lists the shared tier (:func:`shared_inventory`) and turns everything into the restore
+planner's input (:func:`candidates_and_sources`): one :class:`~shoal.group.readplan.Candidate`
+per surviving copy of a checkpoint's metadata, and every :class:`~shoal.group.readplan.Source`
+of every chunk. Nothing here trusts bytes: every chunk is verified when it is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from shoal.boundary import Boundary
+from shoal.engine.protocol import STAGED_DIR
+from shoal.engine.store import list_checkpoints
+from shoal.errors import ShoalError
+from shoal.format import layout
+from shoal.format.manifest import Manifest
+from shoal.group.readplan import SHARED, Candidate, Source
+from shoal.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+STAGED_FORMAT = "shoal-staged/1"
+
+
+@dataclass(frozen=True)
+class StagedItemRecord:
+    key: str
+    offset: int
+    nbytes: int
+    chunks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StagedRecord:
+    """One DRAM slab's staged index: the step it holds and where each item's chunks lie in it."""
+
+    step: int
+    rank: int
+    slab: str
+    chunk_size: int
+    items: tuple[StagedItemRecord, ...]
+
+
+def _staged_record(doc: Mapping[str, object], where: str) -> StagedRecord:
+    if doc.get("format") != STAGED_FORMAT:
+        raise ValueError(f"{where}: format is {doc.get('format')!r}, expected {STAGED_FORMAT!r}")
+    items = []
+    for it in doc["items"]:  # type: ignore[attr-defined]
+        chunks = it.get("chunks")
+        if chunks is None:
+            continue  # not hashed yet: no digest to verify against
+        items.append(StagedItemRecord(str(it["key"]), int(it["offset"]), int(it["nbytes"]), tuple(chunks)))
+    return StagedRecord(
+        int(doc["step"]),  # type: ignore[call-overload]
+        int(doc["rank"]),  # type: ignore[call-overload]
+        str(doc["slab"]),
+        int(doc["chunk_size"]),  # type: ignore[call-overload]
+        tuple(items),
+    )
+
+
+def read_staged(dram: Tier) -> list[StagedRecord]:
+    """Every readable staged index on ``dram`` (a malformed one is skipped with a warning)."""
+    out = []
+    for path in dram.list(STAGED_DIR + "/"):
+        if not path.endswith(".json"):
+            continue
+        try:
+            out.append(_staged_record(json.loads(dram.read(path)), f"{dram.url}/{path}"))
+        except (ShoalError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("ignoring staged index %s/%s: %s", dram.url, path, e)
+    return out
+
+
+@dataclass
+class HostInventory:
+    """What one host holds: host-tier manifests and packs (by tier kind) and staged slabs."""
+
+    host: str
+    manifests: list[tuple[str, Manifest]] = field(default_factory=list)
+    packs: dict[str, frozenset[str]] = field(default_factory=dict)
+    staged: list[StagedRecord] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    looked: list[str] = field(default_factory=list)
+    """The URLs of the tiers listed."""
+
+
+def _packs_present(tier: Tier) -> frozenset[str]:
+    suffix = ".pack"
+    return frozenset(
+        p[len(layout.PACKS_DIR) + 1 : -len(suffix)]
+        for p in tier.list(layout.PACKS_DIR + "/")
+        if p.endswith(suffix)
+    )
+
+
+def host_inventory(host: str, tiers: Mapping[str, Tier], dram: Tier | None) -> HostInventory:
+    """List what ``host`` holds on its host tiers (``kind -> tier``: local, dram) and DRAM slabs."""
+    inv = HostInventory(host, looked=[t.url for t in tiers.values()])
+    for kind, tier in tiers.items():
+        try:
+            inv.packs[kind] = _packs_present(tier)
+            for info in list_checkpoints(tier):
+                if info.manifest is not None:
+                    inv.manifests.append((kind, info.manifest))
+                elif info.problem:
+                    inv.problems.append(f"{tier.url}: step {info.step}: {info.problem}")
+        except ShoalError as e:
+            inv.problems.append(f"{tier.url}: {e}")
+    if dram is not None:
+        try:
+            inv.staged = read_staged(dram)
+        except ShoalError as e:
+            inv.problems.append(f"{dram.url}: {e}")
+    return inv
+
+
+@dataclass
+class SharedInventory:
+    """What the shared tier holds: readable manifests (with whether committed) and packs."""
+
+    manifests: list[tuple[Manifest, bool]] = field(default_factory=list)
+    packs: frozenset[str] = frozenset()
+    problem: str | None = None
+    """Why the tier could not be listed at all."""
+    unreadable: dict[int, Exception] = field(default_factory=dict)
+    """Steps whose manifest or commit record is there but cannot be used, and why."""
+
+
+def shared_inventory(tier: Tier) -> SharedInventory:
+    """List the shared tier; an unreachable tier gives an empty inventory and says why."""
+    try:
+        packs = _packs_present(tier)
+        infos = list_checkpoints(tier)
+    except (ShoalError, OSError) as e:
+        log.warning("shared tier %s cannot be listed; restoring without it: %s", tier.url, e)
+        return SharedInventory(problem=f"{tier.url}: {e}")
+    return SharedInventory(
+        [(i.manifest, i.boundary == Boundary.RESTARTABLE) for i in infos if i.manifest is not None],
+        packs,
+        unreadable={i.step: i.error for i in infos if i.error is not None},
+    )
+
+
+def _candidate(m: Manifest, origin: str, committed: bool = False) -> Candidate:
+    return Candidate(m.step, {k: rec.chunks for k, rec in m.items.items()}, origin, committed)
+
+
+@dataclass
+class Inventory:
+    """The restore planner's input: candidates, every chunk's sources, and what is gone."""
+
+    candidates: list[Candidate]
+    sources: dict[str, list[Source]]
+    manifests: dict[tuple[int, str], Manifest]
+    """Each candidate's manifest, by ``(step, origin)``."""
+    gone: dict[str, list[str]]
+    """Digest -> copies a manifest names that are no longer there."""
+
+
+def candidates_and_sources(hosts: Iterable[HostInventory], shared: SharedInventory) -> Inventory:
+    """Merge every host's inventory and the shared tier's."""
+    candidates: list[Candidate] = []
+    manifests: dict[tuple[int, str], Manifest] = {}
+    found: dict[str, dict[Source, None]] = {}
+    gone: dict[str, list[str]] = {}
+
+    def add(d: str, s: Source, present: frozenset[str]) -> None:
+        if s.slab or s.path in present:
+            found.setdefault(d, {})[s] = None
+        else:
+            where = gone.setdefault(d, [])
+            text = f"{s.describe()} is missing"
+            if text not in where:
+                where.append(text)
+
+    for m, committed in shared.manifests:
+        candidates.append(_candidate(m, SHARED, committed))
+        manifests[(m.step, SHARED)] = m
+        for d, loc in m.locations.items():
+            add(d, Source(SHARED, None, loc.pack, loc.offset, loc.length), shared.packs)
+    for inv in hosts:
+        for kind, m in inv.manifests:
+            origin = f"{kind}:{inv.host}"
+            if (m.step, origin) not in manifests:
+                candidates.append(_candidate(m, origin))
+                manifests[(m.step, origin)] = m
+            present = inv.packs.get(kind, frozenset())
+            for d, loc in m.locations.items():
+                add(d, Source(kind, inv.host, loc.pack, loc.offset, loc.length), present)
+        for rec in inv.staged:
+            for item in rec.items:
+                for i, d in enumerate(item.chunks):
+                    off = i * rec.chunk_size
+                    n = min(rec.chunk_size, item.nbytes - off)
+                    add(d, Source("dram", inv.host, rec.slab, item.offset + off, n, slab=True), frozenset())
+    return Inventory(candidates, {d: list(s) for d, s in found.items()}, manifests, gone)
+
+
+def describe_sources(sources: Sequence[Source]) -> str:
+    return "; ".join(s.describe() for s in sources)

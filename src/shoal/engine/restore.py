@@ -1,0 +1,427 @@
+"""Restore: inventory, choose, read each chunk once, verify, repair, spread it (DESIGN.md section 5).
+
+Collective, on the background fabric, every rank in the same order:
+
+====  =====================  =====================================================
+ R1   gather inventories     each host's leader lists its host; the coordinator
+                             adds the shared tier
+ R2   broadcast choice       the checkpoint to load (its manifest) or the error
+ R3   gather needs           each rank's item keys (DCP's read plan, or all)
+ R4   broadcast read plan    who reads which chunk from where, in order
+  -   read + verify          every chunk against its BLAKE3 digest
+ R5   gather failures        chunks whose every local source failed: planned
+ R4'  broadcast repairs      again on another host (or the error naming the item
+                             and every source tried); until none fail
+  -   exchange               readers send verified chunks to every rank needing
+                             them; receivers verify again before use
+ R6   all-gather needs       every rank works out the same deliveries
+ R7   all-gather stats       bytes per tier, so every rank can say what it used
+====  =====================  =====================================================
+
+A rank reads only its own host's DRAM and local tiers and the shared tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.engine.inventory import (
+    HostInventory,
+    candidates_and_sources,
+    describe_sources,
+    host_inventory,
+    shared_inventory,
+)
+from shoal.errors import CheckpointNotFound, ChecksumMismatch, RestoreFailed, ShoalError
+from shoal.format import layout
+from shoal.format.chunking import digest
+from shoal.format.manifest import Manifest
+from shoal.group.fabric import Fabric
+from shoal.group.readplan import SHARED, Choice, ChunkRead, ReadPlan, Source, choose_checkpoint, plan_reads
+from shoal.group.topology import Topology
+from shoal.tiers.base import Tier
+from shoal.tiers.dram import DramTier
+
+log = logging.getLogger(__name__)
+
+_MAX_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load used: the step, where its metadata came from, and bytes per source."""
+
+    step: int
+    origin: str
+    bytes_by_tier: Mapping[str, int]
+    """Bytes read from each tier kind (``dram``, ``local``, ``shared``), summed over the job."""
+    fabric_bytes: int
+    """Bytes sent between ranks."""
+    repaired: int
+    """Chunks whose first source failed verification or reading and that came from another."""
+    skipped: tuple[tuple[int, str], ...] = ()
+    """Newer checkpoints passed over, with why."""
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.bytes_by_tier.get(SHARED, 0)
+
+
+@dataclass
+class _Stats:
+    by_tier: dict[str, int] = field(default_factory=dict)
+    fabric: int = 0
+    repaired: int = 0
+
+
+@dataclass
+class RestoreContext:
+    """What a rank restores with: the fabric, the current topology and the tiers it can read."""
+
+    fabric: Fabric
+    topology: Topology
+    host: str
+    shared: Tier
+    host_tiers: Mapping[str, Tier]
+    """This host's host tiers by kind (``local``; ``dram`` when partner copies go to DRAM)."""
+    dram: DramTier | None
+    timeout_hint: float = 0.0
+
+
+class Restore:
+    """One load's collective session: :meth:`begin` chooses, :meth:`fetch` fills buffers."""
+
+    def __init__(self, ctx: RestoreContext) -> None:
+        self.ctx = ctx
+        self.manifest: Manifest | None = None
+        self.choice: Choice | None = None
+        self.report: LoadReport | None = None
+        self._sources: dict[str, list[Source]] = {}
+        self._tried: dict[str, list[str]] = {}
+        self._stats = _Stats()
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.fabric.rank
+
+    # -- R1, R2 ------------------------------------------------------------------------------
+    def begin(self, step: int | None) -> Manifest:
+        """Collective: take the inventory and agree on the checkpoint to load; returns its manifest."""
+        ctx = self.ctx
+        inv: HostInventory | str | None = None
+        if ctx.topology.leader(ctx.host) == self.rank:
+            try:
+                inv = host_inventory(ctx.host, ctx.host_tiers, ctx.dram)
+            except Exception as e:
+                inv = f"rank {self.rank} ({ctx.host}): inventory failed: {type(e).__name__}: {e}"
+        invs = ctx.fabric.gather(inv)
+        message: tuple[Manifest, Choice] | Exception | None = None
+        if ctx.fabric.is_coordinator:
+            assert invs is not None
+            try:
+                message = self._choose(invs, step)
+            except ShoalError as e:
+                message = e
+        message = ctx.fabric.broadcast(message)
+        if isinstance(message, Exception):
+            raise message
+        assert message is not None
+        self.manifest, self.choice = message
+        return self.manifest
+
+    def _choose(self, invs: list[Any], step: int | None) -> tuple[Manifest, Choice]:
+        """Coordinator: merge the inventories and pick the checkpoint (raises what a load should)."""
+        errors = [i for i in invs if isinstance(i, str)]
+        hosts = [i for i in invs if isinstance(i, HostInventory)]
+        for h in hosts:
+            for p in h.problems:
+                log.warning("inventory of host %s: %s", h.host, p)
+        shared = shared_inventory(self.ctx.shared)
+        inv = candidates_and_sources(hosts, shared)
+        bad = shared.unreadable
+        if step is not None and step in bad and not any(c.step == step for c in inv.candidates):
+            raise bad[step]
+        try:
+            choice = choose_checkpoint(inv.candidates, inv.sources, step, gone=inv.gone)
+        except CheckpointNotFound as e:
+            newer = [s for s in bad if step is None or s == step]
+            if newer:
+                raise bad[max(newer)] from e  # the newest checkpoint is there, but its metadata is bad
+            if not inv.candidates:
+                looked = [self.ctx.shared.url, *sorted({u for h in hosts for u in h.looked})]
+                e = CheckpointNotFound(f"{e}; looked in {', '.join(looked)}")
+            extra = [*errors, *([shared.problem] if shared.problem else [])]
+            if extra:
+                raise CheckpointNotFound(f"{e} (also: {'; '.join(extra)})") from e
+            raise e from None
+        passed = [(s, f"its metadata cannot be read: {bad[s]}") for s in bad if s > choice.step]
+        if passed:
+            choice = Choice(
+                choice.step, choice.origin, tuple(sorted([*choice.skipped, *passed], reverse=True))
+            )
+        for s, why in choice.skipped:
+            log.warning("not restoring step %d: %s", s, why)
+        self._sources = inv.sources
+        return inv.manifests[(choice.step, choice.origin)], choice
+
+    # -- R3..R6 ------------------------------------------------------------------------------
+    def fetch(self, dests: Mapping[str, memoryview], *, problem: str | None = None) -> LoadReport:
+        """Collective: fill each ``dests[key]`` (exactly the item's bytes) with item ``key``'s verified bytes.
+
+        Every rank must call it, even with nothing to read; ``problem`` (a rank's bad read
+        request) fails the load on every rank with that message.
+        """
+        ctx, manifest = self.ctx, self.manifest
+        assert manifest is not None and self.choice is not None
+        if problem is None:
+            problem = self._check_dests(manifest, dests)
+        needs = ctx.fabric.gather((sorted(dests), problem))  # R3
+        plan: ReadPlan | Exception | str | None = None
+        if ctx.fabric.is_coordinator:
+            assert needs is not None
+            problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(needs) if p]
+            plan = (
+                "; ".join(problems) if problems else self._guarded(lambda: self._plan([k for k, _ in needs]))
+            )
+        plan = self._agree(plan)  # R4
+        # Where each digest goes in this rank's buffers.
+        places: dict[str, list[memoryview]] = {}
+        for key, view in dests.items():
+            for d, off, n in manifest.chunk_spans(key):
+                places.setdefault(d, []).append(view[off : off + n])
+        held: dict[str, memoryview] = {}
+        reader_of: dict[str, int] = {}
+        for _ in range(_MAX_ROUNDS):
+            failed = self._read(plan.reads_at(self.rank), places, held)
+            for reader, reads in plan.reads.items():
+                for r in reads:
+                    reader_of[r.digest] = reader
+            failures = ctx.fabric.gather(failed)  # R5
+            repair: ReadPlan | Exception | None = None
+            if ctx.fabric.is_coordinator:
+                assert failures is not None
+                repair = self._guarded(lambda p=plan, f=failures: self._replan(p, f))
+            repair = self._agree(repair)  # R4'
+            if not repair.reads:
+                break
+            plan = repair
+        else:
+            raise RestoreFailed(f"step {manifest.step}: chunks still failing after {_MAX_ROUNDS} rounds")
+        error = self._exchange(reader_of, places, held)
+        stats = ctx.fabric.all_gather(
+            (self._stats.by_tier, self._stats.fabric, self._stats.repaired, error)
+        )  # R7
+        errors = [f"rank {r}: {s[3]}" for r, s in enumerate(stats) if s[3]]
+        if errors:
+            raise RestoreFailed("; ".join(errors))
+        by_tier: dict[str, int] = {}
+        for tiers, *_ in stats:
+            for k, v in tiers.items():
+                by_tier[k] = by_tier.get(k, 0) + v
+        self.report = LoadReport(
+            manifest.step,
+            self.choice.origin,
+            by_tier,
+            sum(s[1] for s in stats),
+            sum(s[2] for s in stats),
+            self.choice.skipped,
+        )
+        return self.report
+
+    @staticmethod
+    def _check_dests(manifest: Manifest, dests: Mapping[str, memoryview]) -> str | None:
+        for key, view in dests.items():
+            rec = manifest.items.get(key)
+            if rec is None:
+                return f"step {manifest.step} has no item {key!r}"
+            if view.nbytes != rec.nbytes:
+                return f"item {key!r} is {rec.nbytes} bytes, its destination holds {view.nbytes}"
+        return None
+
+    def _guarded(self, fn: Any) -> Any:
+        try:
+            return fn()
+        except ShoalError as e:
+            return e
+
+    def _agree(self, plan: ReadPlan | Exception | str | None) -> ReadPlan:
+        plan = self.ctx.fabric.broadcast(plan)
+        if isinstance(plan, Exception):
+            raise plan
+        if isinstance(plan, str):
+            raise RestoreFailed(plan)
+        assert isinstance(plan, ReadPlan)
+        return plan
+
+    def _plan(self, needs: list[list[str]]) -> ReadPlan:
+        manifest = self.manifest
+        assert manifest is not None
+        per_rank: dict[int, list[str]] = {}
+        lengths: dict[str, int] = {}
+        for rank, keys in enumerate(needs):
+            mine = per_rank.setdefault(rank, [])
+            for key in keys:
+                for d, _, n in manifest.chunk_spans(key):
+                    mine.append(d)
+                    lengths[d] = n
+        return plan_reads(per_rank, lengths, self._sources, self.ctx.topology.rank_hosts)
+
+    def _replan(self, plan: ReadPlan, failures: list[list[tuple[str, list[str]]]]) -> ReadPlan:
+        """Plan the failed chunks again without the sources that failed, or say what is lost."""
+        manifest = self.manifest
+        assert manifest is not None
+        failed: dict[str, list[str]] = {}
+        for rank_failures in failures:
+            for d, tried in rank_failures:
+                failed.setdefault(d, []).extend(tried)
+        if not failed:
+            return ReadPlan({})
+        by_digest = {r.digest: r for reads in plan.reads.values() for r in reads}
+        tried_sources: dict[str, set[Source]] = {}
+        for d in failed:
+            tried_sources[d] = set(by_digest[d].sources)
+            self._tried.setdefault(d, []).extend(failed[d])
+            # Sources this reader could not reach are no use to anyone else either.
+            self._sources[d] = [s for s in self._sources.get(d, []) if s not in tried_sources[d]]
+        lost = [d for d in failed if not self._sources[d]]
+        if lost:
+            corrupt = all("ChecksumMismatch" in t for d in lost for t in self._tried[d])
+            raise (ChecksumMismatch if corrupt else RestoreFailed)(self._lost_message(lost))
+        per_rank: dict[int, list[str]] = {}
+        for d in failed:
+            for c in by_digest[d].consumers:
+                per_rank.setdefault(c, []).append(d)
+        lengths = {d: by_digest[d].length for d in failed}
+        return plan_reads(per_rank, lengths, self._sources, self.ctx.topology.rank_hosts)
+
+    def _lost_message(self, lost: list[str]) -> str:
+        manifest = self.manifest
+        assert manifest is not None
+        lines = []
+        for d in lost[:5]:
+            where = [
+                f"item {key!r} chunk {i}"
+                for key, rec in manifest.items.items()
+                for i, c in enumerate(rec.chunks)
+                if c == d
+            ]
+            lines.append(f"{', '.join(where[:3])} ({d}): tried {'; '.join(self._tried.get(d, []))}")
+        more = f" (and {len(lost) - 5} more chunks)" if len(lost) > 5 else ""
+        return f"step {manifest.step}: no good copy left of " + " | ".join(lines) + more
+
+    # -- reading -----------------------------------------------------------------------------
+    def _read_source(self, s: Source, out: memoryview) -> None:
+        ctx = self.ctx
+        if s.host is None:
+            ctx.shared.read_range_into(layout.pack_path(s.path), s.offset, out)
+        elif s.slab:
+            if ctx.dram is None:
+                raise RestoreFailed("no DRAM tier to read a slab from")
+            ctx.dram.read_slab_into(s.path, s.offset, out)
+        else:
+            ctx.host_tiers[s.tier].read_range_into(layout.pack_path(s.path), s.offset, out)
+
+    def _read(
+        self,
+        reads: tuple[ChunkRead, ...],
+        places: Mapping[str, list[memoryview]],
+        held: dict[str, memoryview],
+    ) -> list[tuple[str, list[str]]]:
+        """Read and verify this rank's chunks; return ``(digest, [what was tried])`` for each that failed."""
+        failed = []
+        scratch = memoryview(bytearray(max((r.length for r in reads), default=0)))
+        for r in reads:
+            mine = places.get(r.digest)
+            buf = mine[0] if mine else memoryview(bytearray(r.length))
+            view = scratch[: r.length]
+            tried: list[str] = []
+            for i, s in enumerate(r.sources):
+                if s.host is not None and s.host != self.ctx.host:
+                    continue
+                try:
+                    t0 = time.perf_counter()
+                    self._read_source(s, view)
+                    actual = digest(view)
+                    if actual != r.digest:
+                        raise ChecksumMismatch(f"BLAKE3 is {actual}")
+                except Exception as e:
+                    log.warning("chunk %s: %s: %s", r.digest, s.describe(), e)
+                    tried.append(f"{s.describe()}: {type(e).__name__}: {e}")
+                    continue
+                buf[:] = view
+                tier = s.tier if s.host is not None else SHARED
+                self._stats.by_tier[tier] = self._stats.by_tier.get(tier, 0) + r.length
+                if i or tried:
+                    self._stats.repaired += 1
+                log.debug("chunk %s read from %s in %.4f s", r.digest, s.describe(), time.perf_counter() - t0)
+                held[r.digest] = buf
+                for other in (mine or [])[1:]:
+                    other[:] = buf
+                break
+            else:
+                failed.append(
+                    (r.digest, tried or [f"rank {self.rank}: no source reachable from {self.ctx.host}"])
+                )
+        return failed
+
+    # -- the exchange ------------------------------------------------------------------------
+    def _exchange(
+        self,
+        reader_of: Mapping[str, int],
+        places: Mapping[str, list[memoryview]],
+        held: dict[str, memoryview],
+    ) -> str | None:
+        """Send what this rank read to every rank that needs it; receive and verify what it needs.
+
+        Returns the error that spoiled a received chunk, if any (after the exchange finished).
+        """
+        ctx = self.ctx
+        if ctx.fabric.world_size == 1:
+            return None
+        # Every rank computes the same deliveries from the same (agreed) readers and needs.
+        manifest = self.manifest
+        assert manifest is not None
+        needs_all = ctx.fabric.all_gather(sorted(places))
+        sends: dict[int, list[str]] = {}
+        receives: dict[int, list[str]] = {}
+        for rank, digests in enumerate(needs_all):
+            for d in digests:
+                src = reader_of[d]
+                if src == rank:
+                    continue
+                if src == self.rank:
+                    sends.setdefault(rank, []).append(d)
+                if rank == self.rank:
+                    receives.setdefault(src, []).append(d)
+        works = ctx.fabric.post_sends([(dst, [held[d] for d in ds]) for dst, ds in sorted(sends.items())])
+        size = max((places[d][0].nbytes for ds in receives.values() for d in ds), default=0)
+        scratch = bytearray(max(size, 1))
+        order = sorted(receives.items())
+        stream = ctx.fabric.receive([(src, [places[d][0].nbytes for d in ds]) for src, ds in order], scratch)
+        expected = [d for _, ds in order for d in ds]
+        error: str | None = None
+        for d, view in zip(expected, stream, strict=True):
+            if error is not None:
+                continue  # keep receiving, so the senders can finish
+            actual = digest(view)
+            if actual != d:
+                error = f"step {manifest.step}: chunk {d} arrived over the fabric with BLAKE3 {actual}"
+                continue
+            for p in places[d]:
+                p[:] = view
+            self._stats.fabric += view.nbytes
+        ctx.fabric.wait_all(works)
+        return error
+
+
+def sources_in(report: LoadReport) -> str:
+    """A one-line account of a load's sources, for logs and the CLI."""
+    parts = [f"{tier} {n / 2**20:.1f} MiB" for tier, n in sorted(report.bytes_by_tier.items()) if n]
+    return f"step {report.step} (metadata from {report.origin}): " + (", ".join(parts) or "nothing read")
+
+
+__all__ = ["LoadReport", "Restore", "RestoreContext", "RestoreFailed", "describe_sources", "sources_in"]

@@ -1,0 +1,104 @@
+"""Multi-rank restore scenarios (DESIGN.md section 5), run with :func:`shoal.testing.multiproc.run_ranks`.
+
+Each returns plain data for the test process; the bit-exact comparisons happen in the
+ranks themselves. Phases that must look like a crash end with SIGKILL (no ``close``, so
+the DRAM slabs and partial work stay as a real failure leaves them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shoal import failpoints
+from shoal.boundary import Boundary
+from shoal.checkpointer import Checkpointer
+from shoal.testing.checkpoints import assert_state_equal, zeros_like_state
+from shoal.testing.scenarios import group_config
+
+
+def model_state(*, tensors: int = 6, numel: int = 40 << 10) -> dict[str, Any]:
+    """One model, the same on every rank (N replicas loading one model)."""
+    g = torch.Generator().manual_seed(77)
+    return {"model": {f"w{i}": torch.randn(numel, generator=g) for i in range(tensors)}}
+
+
+def sharded_state(rank: int, *, shards: int = 8, numel: int = 20 << 10) -> dict[str, Any]:
+    """``shards`` tensors of this rank's own (a fully sharded state: 4 ranks hold 32 shards), a
+    replicated bias, and the training step."""
+    g = torch.Generator().manual_seed(500 + rank)
+    own = {f"r{rank}.s{i}": torch.randn(numel, generator=g) for i in range(shards)}
+    bias = torch.linspace(-1.0, 1.0, 3000)
+    return {"shards": own, "bias": bias, "step": 0}
+
+
+def train_step(state: Mapping[str, Any], step: int) -> None:
+    """A deterministic update in place: the same inputs give bit-identical outputs."""
+    for t in state["shards"].values():
+        t.mul_(0.999).add_(torch.sin(t) * 1e-3 + step * 1e-4)
+    state["bias"].add_(1e-3)
+    state["step"] = step  # type: ignore[index]
+
+
+def load_one_model(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """Every rank saves the same model straight to shared storage and closes (giving its DRAM back);
+    then every rank loads it: shared storage is the only copy."""
+    state = model_state()
+    with Checkpointer(group_config(root, path="direct")) as ckpt:
+        ckpt.save(1, state).wait(timeout=60)
+    with Checkpointer(group_config(root)) as ckpt:
+        target = zeros_like_state(state)
+        step = ckpt.load(target)
+        assert_state_equal(target, state)
+        report = ckpt.last_load
+        manifest = ckpt._resolve_manifest(1)
+    assert report is not None
+    unique = {d: n for key in manifest.items for d, _, n in manifest.chunk_spans(key)}
+    return {
+        "step": step,
+        "by_tier": dict(report.bytes_by_tier),
+        "fabric": report.fabric_bytes,
+        "unique_bytes": sum(unique.values()),
+    }
+
+
+def save_then_crash(rank: int, world: int, *, root: str) -> None:
+    """Step 1 commits; step 2 reaches B2 on every rank, its drain is held back, then every process dies."""
+    state = sharded_state(rank)
+    ckpt = Checkpointer(group_config(root))
+    train_step(state, 1)
+    ckpt.save(1, state).wait(Boundary.RESTARTABLE, timeout=60)
+    train_step(state, 2)
+    failpoints.configure("pipeline.before_drain=delay:60")
+    ckpt.save(2, state).wait(Boundary.REPLICATED, timeout=60)
+    dist.barrier()  # every rank has seen B2
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def restore_and_resume(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """Restart: load the newest restorable checkpoint, check it bit for bit, train on, compare."""
+    expected = sharded_state(rank)
+    train_step(expected, 1)
+    train_step(expected, 2)
+    with Checkpointer(group_config(root)) as ckpt:
+        target = zeros_like_state(sharded_state(rank))
+        step = ckpt.load(target)
+        report = ckpt.last_load
+        assert_state_equal(target, expected)
+        for s in (3, 4):  # resumed training matches an uninterrupted run
+            train_step(target, s)
+            train_step(expected, s)
+        assert_state_equal(target, expected)
+        assert report is not None
+        return {
+            "step": step,
+            "origin": report.origin,
+            "by_tier": dict(report.bytes_by_tier),
+            "fabric": report.fabric_bytes,
+            "repaired": report.repaired,
+        }

@@ -1,0 +1,60 @@
+"""Restore across simulated hosts: read once, spread over the fabric, survive a lost host."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from shoal.testing import restore_scenarios as rs
+from shoal.testing.multiproc import run_ranks
+
+HOSTS = ["h0", "h0", "h1", "h1"]
+
+
+def test_n_ranks_loading_one_model_read_each_unique_byte_from_shared_storage_once(tmp_path):
+    results = run_ranks(rs.load_one_model, hosts=HOSTS, kwargs={"root": str(tmp_path)}, timeout=180)
+    first = results[0]
+    assert [r["step"] for r in results] == [1, 1, 1, 1]  # and every rank compared its tensors bit for bit
+    assert first["by_tier"] == {"shared": first["unique_bytes"]}  # each unique byte read once, job-wide
+    # Every rank needs every chunk; each was read by one rank and sent to the three others.
+    assert first["fabric"] == 3 * first["unique_bytes"]
+    assert all(r["by_tier"] == first["by_tier"] for r in results)
+
+
+def _lose_host(root: str, host: str) -> None:
+    """Delete everything ``host`` held (its DRAM slabs, staged indexes and local tier)."""
+    for tier in ("dram", "local"):
+        shutil.rmtree(os.path.join(root, tier, "test", host), ignore_errors=True)
+
+
+def _disable_shared(root: str) -> None:
+    """Make the shared tier unreachable: its root is now a plain file."""
+    shared = os.path.join(root, "shared")
+    os.rename(shared, shared + ".offline")
+    with open(shared, "w") as f:
+        f.write("offline")
+
+
+def test_losing_the_coordinators_host_and_shared_storage_restores_from_partner_copies(tmp_path):
+    root = str(tmp_path)
+    run_ranks(rs.save_then_crash, hosts=HOSTS, kwargs={"root": root}, allow_death=[0, 1, 2, 3], timeout=180)
+    _lose_host(root, "h0")
+    _disable_shared(root)
+    results = run_ranks(rs.restore_and_resume, hosts=HOSTS, kwargs={"root": root}, timeout=180)
+    for r in results:
+        # Step 2 reached B2 but never B3: only host h1's DRAM and its partner copies of h0's shards survive.
+        assert r["step"] == 2
+        assert r["origin"].endswith(":h1")
+        assert "shared" not in r["by_tier"]
+        assert r["by_tier"]["dram"] > 0 and r["by_tier"]["local"] > 0
+        assert r["fabric"] > 0
+
+
+def test_after_losing_a_host_the_newest_checkpoint_on_two_hosts_wins_over_older_committed_ones(tmp_path):
+    root = str(tmp_path)
+    run_ranks(rs.save_then_crash, hosts=HOSTS, kwargs={"root": root}, allow_death=[0, 1, 2, 3], timeout=180)
+    _lose_host(root, "h1")  # the other host this time; the shared tier stays
+    results = run_ranks(rs.restore_and_resume, hosts=HOSTS, kwargs={"root": root}, timeout=180)
+    for r in results:
+        assert r["step"] == 2  # newer than LATEST (step 1): restored from h0's DRAM and partner copies
+        assert r["origin"].endswith(":h0")
