@@ -1,0 +1,76 @@
+"""Restore in one process: DRAM first, verification, repair from another copy, the load report."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+import shoal
+from shoal.testing.checkpoints import assert_state_equal, make_config, zeros_like_state
+
+
+@pytest.fixture
+def config(tmp_path, dram_root) -> shoal.Config:
+    return make_config(tmp_path, dram_root)
+
+
+def _staged_slab(dram_root) -> str:
+    """The slab that holds the staged checkpoint, as its staged index says."""
+    (index,) = glob.glob(os.path.join(str(dram_root), "**", "staged", "*.json"), recursive=True)
+    with open(index) as f:
+        doc = json.load(f)
+    return os.path.join(os.path.dirname(os.path.dirname(index)), "slabs", doc["slab"] + ".slab")
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_a_load_in_the_saving_process_reads_its_dram_slab_not_shared_storage(config):
+    state = {"w": torch.randn(100_000), "b": torch.arange(1000)}
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(1, state).wait(timeout=60)
+        out = zeros_like_state(state)
+        assert ckpt.load(out) == 1
+        assert_state_equal(out, state)
+        report = ckpt.last_load
+        assert report is not None and report.origin == "shared"
+        assert set(report.bytes_by_tier) == {"dram"} and report.repaired == 0
+
+
+def test_a_corrupt_dram_copy_is_repaired_from_shared_storage(config, dram_root):
+    state = {"w": torch.randn(100_000)}
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(1, state).wait(timeout=60)
+        slab = _staged_slab(dram_root)
+        _flip(slab, 70_000)  # inside chunk 1 of 'w'
+        out = zeros_like_state(state)
+        assert ckpt.load(out) == 1
+        assert_state_equal(out, state)
+        report = ckpt.last_load
+        assert report is not None and report.repaired == 1
+        assert report.bytes_by_tier["shared"] == 64 << 10  # only the bad chunk came from shared storage
+
+
+def test_with_every_copy_corrupt_the_load_fails_naming_the_item_and_each_copy(config, dram_root, tmp_path):
+    state = {"w": torch.randn(100_000)}
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(1, state).wait(timeout=60)
+        slab = _staged_slab(dram_root)
+        (pack,) = glob.glob(os.path.join(str(tmp_path), "shared", "**", "*.pack"), recursive=True)
+        _flip(slab, 70_000)
+        _flip(pack, 70_000)
+        out = zeros_like_state(state)
+        with pytest.raises(shoal.ChecksumMismatch) as err:
+            ckpt.load(out)
+    msg = str(err.value)
+    assert "'w' chunk 1" in msg and "slab" in msg and os.path.basename(pack) in msg
+    assert torch.count_nonzero(out["w"][16384:32768]) == 0  # the bad bytes never reached the tensor
