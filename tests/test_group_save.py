@@ -91,6 +91,19 @@ def test_a_failing_drain_leaves_training_running_and_the_next_save_succeeds(tmp_
         assert r["third"]["error"] is None and r["third"]["reached"] == int(shoal.Boundary.RESTARTABLE)
 
 
+def test_a_full_shared_tier_fails_that_checkpoint_at_b3_and_the_job_goes_on(tmp_path):
+    # ENOSPC after rank 2 wrote the first chunk of its drain pack: a disk filling up mid-file.
+    kwargs = {"root": str(tmp_path), "bad_rank": 2, "fault": "shared.write=raise:ENOSPC"}
+    results = run_ranks(scenarios.failing_drain, hosts=HOSTS, kwargs=kwargs)
+    for r in results:
+        error = r["second"]["error"]
+        assert "rank 2" in error and "No space left on device" in error and "shared" in error
+        assert r["second"]["failed_at"] == int(shoal.Boundary.PERSISTED)
+        assert r["temp_files"] == []  # the half-written pack was removed, not left behind
+        assert r["loaded"] == 1  # the earlier checkpoint loads bit-exact (checked in the ranks)
+        assert r["third"]["error"] is None and r["third"]["reached"] == int(shoal.Boundary.RESTARTABLE)
+
+
 def test_replication_with_one_host_is_refused(tmp_path, dram_root):
     config = make_config(tmp_path, dram_root, path="partner")
     with pytest.raises(shoal.ConfigError, match="two hosts"):

@@ -2,8 +2,8 @@
 
 ``SHOAL_FAILPOINTS="pipeline.before_commit=raise;stage.after_copy=delay:0.5@rank:1"``
 arms points by name; each entry is ``name=action[:arg][@rank:N]`` with actions
-``raise`` (an :class:`InjectedFault`, an ``OSError``), ``delay:<seconds>`` and ``kill``
-(SIGKILL of the process). With the variable unset, :func:`hit` is one dict lookup.
+``raise`` (an :class:`InjectedFault`, an ``OSError``; ``raise:ENOSPC`` raises it with that
+errno, as a full disk would), ``delay:<seconds>`` and ``kill`` (SIGKILL of the process). With the variable unset, :func:`hit` is one dict lookup.
 The environment is read once, at import; tests call :func:`configure` instead.
 
 Points, in the order a checkpoint meets them (``rank`` is the global rank):
@@ -24,6 +24,7 @@ Points, in the order a checkpoint meets them (``rank`` is the global rank):
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -41,6 +42,7 @@ class _Action:
     kind: str
     arg: float = 0.0
     rank: int | None = None
+    errno: int | None = None
 
 
 _armed: dict[str, _Action] = {}
@@ -59,8 +61,14 @@ def parse(spec: str) -> dict[str, _Action]:
             rank = int(r)
         kind, _, arg = action.partition(":")
         if kind not in ("raise", "delay", "kill"):
-            raise ValueError(f"{ENV}: entry {entry!r}: action must be raise, delay:<s> or kill")
-        out[name.strip()] = _Action(kind, float(arg) if arg else 0.0, rank)
+            raise ValueError(f"{ENV}: entry {entry!r}: action must be raise[:ERRNO], delay:<s> or kill")
+        code = None
+        if kind == "raise" and arg:
+            code = getattr(errno, arg, None)
+            if not isinstance(code, int):
+                raise ValueError(f"{ENV}: entry {entry!r}: {arg!r} is not an errno name (like ENOSPC)")
+            arg = ""
+        out[name.strip()] = _Action(kind, float(arg) if arg else 0.0, rank, code)
     return out
 
 
@@ -81,8 +89,18 @@ def hit(name: str, *, rank: int = 0) -> None:
         time.sleep(action.arg)
     elif action.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action.errno is not None:
+        raise InjectedFault(action.errno, f"{os.strerror(action.errno)} (failpoint {name}, rank {rank})")
     else:
         raise InjectedFault(f"failpoint {name} (rank {rank})")
+
+
+def process_rank() -> int:
+    """This process's rank as the launcher says (``$RANK``), for points below the engine."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 configure(os.environ.get(ENV))

@@ -191,16 +191,21 @@ def frozen_second_checkpoint(rank: int, world: int, *, root: str) -> dict[str, A
     return out
 
 
-def failing_drain(rank: int, world: int, *, root: str, bad_rank: int) -> dict[str, Any]:
-    """Step 1 commits; step 2's drain raises on ``bad_rank``; training goes on and step 3 commits."""
+def failing_drain(
+    rank: int, world: int, *, root: str, bad_rank: int, fault: str = "pipeline.before_drain=raise"
+) -> dict[str, Any]:
+    """Step 1 commits; step 2's drain fails on ``bad_rank`` (failpoint spec ``fault``, armed in that
+    rank's process only); training goes on and step 3 commits."""
     cfg = group_config(root)
     state = dp_state(rank)
     out: dict[str, Any] = {}
     with Checkpointer(cfg) as ckpt:
         ckpt.save(1, state).wait(timeout=60)
         if rank == bad_rank:
-            failpoints.configure(f"pipeline.before_drain=raise@rank:{bad_rank}")
-        second = ckpt.save(2, {**state, "step": 2})
+            failpoints.configure(fault)
+        # Each rank's optimizer shard moved on: every rank has new bytes to drain.
+        state2 = {**state, "optim": {k: v + 1 for k, v in state["optim"].items()}, "step": 2}
+        second = ckpt.save(2, state2)
         try:
             second.wait(timeout=60)
         except Exception as e:
@@ -208,13 +213,15 @@ def failing_drain(rank: int, world: int, *, root: str, bad_rank: int) -> dict[st
         failpoints.configure(None)
         out["second"] = _handle_summary(second)
         torch.distributed.barrier()
+        shared = os.path.join(root, "shared")
+        out["temp_files"] = [n for _, _, names in os.walk(shared) for n in names if ".tmp-" in n]
         out["latest_after_failure"] = ckpt.latest()
         target = zeros_like_state(state)
         out["loaded"] = ckpt.load(target, step=ckpt.latest())
         assert_state_equal(target, state)
         # Step 2 reached B2 (every chunk on two hosts) before its drain failed: it is restorable.
         out["newest"] = ckpt.load(target)
-        assert_state_equal(target, {**state, "step": 2})
+        assert_state_equal(target, state2)
         third = ckpt.save(3, {**state, "step": 3})
         third.wait(timeout=60)
         out["third"] = _handle_summary(third)

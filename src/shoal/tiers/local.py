@@ -20,6 +20,7 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
+from shoal import failpoints
 from shoal.errors import InvalidName, MissingFile, ShoalError, TierError
 from shoal.format.names import check_relpath
 from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities, iter_byte_views
@@ -48,16 +49,21 @@ def temp_sibling(target: str) -> str:
     return os.path.join(directory, f".{name}.tmp-{secrets.token_hex(8)}")
 
 
-def write_all(fd: int, data: Data) -> int:
-    """Write every part of ``data`` to ``fd`` with ``os.write`` (retrying partial writes); return bytes."""
+def write_all(fd: int, data: Data, *, failpoint: str | None = None) -> int:
+    """Write every part of ``data`` to ``fd`` with ``os.write`` (retrying partial writes); return bytes.
+
+    ``failpoint``: a failpoint hit after the first buffer is written (a disk filling up mid-file).
+    """
     total = 0
-    for view in iter_byte_views(data):
+    for i, view in enumerate(iter_byte_views(data)):
         while view.nbytes:
             n = os.write(fd, view[:_MAX_IO])
             if n <= 0:  # pragma: no cover - os.write raises instead on Linux
                 raise OSError(errno.EIO, "os.write wrote nothing")
             view = view[n:]
             total += n
+        if i == 0 and failpoint is not None:
+            failpoints.hit(failpoint, rank=failpoints.process_rank())
     return total
 
 
@@ -100,8 +106,9 @@ class AtomicRenameCommit:
 
     atomic_rename = True
 
-    def __init__(self, *, durable: bool = True) -> None:
+    def __init__(self, *, durable: bool = True, failpoint: str | None = None) -> None:
         self.durable = durable
+        self.failpoint = failpoint
 
     def write(self, target: str, data: Data) -> int:
         """Write ``data`` to the absolute path ``target`` atomically; return the bytes written.
@@ -116,7 +123,7 @@ class AtomicRenameCommit:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             try:
-                total = write_all(fd, data)
+                total = write_all(fd, data, failpoint=self.failpoint)
                 if self.durable:
                     os.fsync(fd)
             finally:

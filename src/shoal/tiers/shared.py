@@ -100,7 +100,7 @@ class FsspecTier(Tier):
         self._root = root.rstrip("/")
         self._commit: CommitStrategy
         if isinstance(fs, LocalFileSystem):
-            self._commit = AtomicRenameCommit(durable=True)
+            self._commit = AtomicRenameCommit(durable=True, failpoint="shared.write")
         else:
             self._commit = ObjectPutCommit(fs)
         self.capabilities = TierCapabilities(
