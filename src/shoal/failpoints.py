@@ -4,7 +4,8 @@
 arms points by name; each entry is ``name=action[:arg][@rank:N]`` with actions
 ``raise`` (an :class:`InjectedFault`, an ``OSError``; ``raise:ENOSPC`` raises it with that
 errno, as a full disk would), ``delay:<seconds>`` and ``kill`` (SIGKILL of the process).
-With the variable unset, :func:`hit` is one dict lookup. The environment is read once, at import; tests call :func:`configure` instead.
+With the variable unset, :func:`hit` is one dict lookup. The environment is read once, at
+import; tests call :func:`configure` instead.
 
 Points, in the order a checkpoint meets them (``rank`` is the global rank):
 
