@@ -11,6 +11,10 @@ first checkpoint). Workloads:
 
 How the reports are built matters, and is not timed:
 
+* ``compact`` (the default): each rank's report is a :class:`~shoal.group.plan.ChunkTable`
+  (keys and sizes per item, every digest as 32 raw bytes in one buffer), unpickled from its own
+  bytes, as the group save's exchange delivers it (``ReportItem.digests`` are views of one
+  buffer per rank, which the coordinator hands the planner as a table);
 * ``interned``: each rank has its own report objects and tuples, but equal strings (digests,
   keys) are one object, as when the exchange interns them;
 * ``unpickled``: each rank's report is unpickled from its own bytes, as ``gather_object``
@@ -22,7 +26,7 @@ equal reports in new objects, as the next checkpoint of an unchanged model deliv
 (``cache hit``: layout and every digest compared, the plan reused).
 Prints a Markdown table. Usage::
 
-    python benchmarks/planner.py --ranks 64 1024 16384 --inputs interned unpickled
+    python benchmarks/planner.py --ranks 64 1024 16384 --inputs compact interned unpickled
 """
 
 from __future__ import annotations
@@ -37,7 +41,15 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from shoal.group.planner import GroupPlan, ItemChunks, PlanCache, RankChunks, plan_group_save
+from shoal.group.planner import (
+    ChunkTable,
+    Digests,
+    GroupPlan,
+    ItemChunks,
+    PlanCache,
+    RankChunks,
+    plan_group_save,
+)
 from shoal.group.topology import build_topology
 
 CHUNK = 4 << 20
@@ -46,6 +58,26 @@ CHUNK = 4 << 20
 def _digests(n: int) -> list[str]:
     raw = os.urandom(32 * n).hex()
     return [raw[i : i + 64] for i in range(0, 64 * n, 64)]
+
+
+def build_compact(workload: str, n_ranks: int, args: argparse.Namespace) -> list[RankChunks]:
+    """Every rank's report as a table, unpickled from its own bytes (as the exchange delivers it)."""
+    shared = {"dp": args.chunks, "dp+zero": args.shared, "unique": 0}[workload]
+    n_own = args.chunks - shared
+    per_own = max(1, -(-n_own // 2)) if workload == "dp+zero" else args.chunks_per_item
+    common = os.urandom(32 * shared)
+
+    def layout(prefix: str, n: int, per_item: int) -> tuple[list[str], list[int]]:
+        sizes = [min(per_item, n - a) for a in range(0, n, per_item)]
+        return [sys.intern(f"{prefix}.{j}") for j in range(len(sizes))], [CHUNK * k for k in sizes]
+
+    k1, n1 = layout("model", shared, args.chunks_per_item)
+    k2, n2 = layout("optim", n_own, per_own)
+    ranks = []
+    for r in range(n_ranks):
+        table = ChunkTable.uniform(k1 + k2, n1 + n2, CHUNK, Digests(common + os.urandom(32 * n_own)))
+        ranks.append(RankChunks(r, f"host{r // args.ranks_per_host}", pickle.loads(pickle.dumps(table))))
+    return ranks
 
 
 def _items(prefix: str, digests: list[str], per_item: int) -> list[ItemChunks]:
@@ -68,6 +100,11 @@ def build(workload: str, n_ranks: int, args: argparse.Namespace) -> list[RankChu
         items = _items("model", common, args.chunks_per_item) + _items("optim", mine, per_own)
         ranks.append(RankChunks(r, f"host{r // args.ranks_per_host}", tuple(items)))
     return ranks
+
+
+def copied_compact(ranks: list[RankChunks]) -> list[RankChunks]:
+    """Equal compact reports in new objects (the next checkpoint's exchange)."""
+    return [RankChunks(rc.rank, rc.host, pickle.loads(pickle.dumps(rc.items))) for rc in ranks]
 
 
 def unpickled(ranks: list[RankChunks]) -> list[RankChunks]:
@@ -112,9 +149,7 @@ def main() -> None:
     ap.add_argument(
         "--workloads", nargs="+", default=["dp", "dp+zero", "unique"], choices=["dp", "dp+zero", "unique"]
     )
-    ap.add_argument(
-        "--inputs", nargs="+", default=["interned", "unpickled"], choices=["interned", "unpickled"]
-    )
+    ap.add_argument("--inputs", nargs="+", default=["compact"], choices=["compact", "interned", "unpickled"])
     ap.add_argument("--chunks", type=int, default=1000, help="chunks per rank")
     ap.add_argument("--chunks-per-item", type=int, default=5)
     ap.add_argument("--shared", type=int, default=900, help="chunks every rank holds (dp+zero)")
@@ -131,8 +166,12 @@ def main() -> None:
     for workload in args.workloads:
         for inputs in args.inputs:
             for n in args.ranks:
-                ranks = build(workload, n, args)
-                again = unpickled(ranks) if inputs == "unpickled" else copied(ranks)
+                if inputs == "compact":
+                    ranks = build_compact(workload, n, args)
+                    again = copied_compact(ranks)
+                else:
+                    ranks = build(workload, n, args)
+                    again = unpickled(ranks) if inputs == "unpickled" else copied(ranks)
                 if inputs == "unpickled":
                     ranks = unpickled(ranks)
                 plan, seconds, hit = measure(ranks, again, args.repeats)

@@ -32,6 +32,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Mapping
+from itertools import accumulate, chain
 from typing import Any
 
 import blake3
@@ -51,7 +52,7 @@ from shoal.engine.protocol import (
 )
 from shoal.errors import ChecksumMismatch
 from shoal.format import layout
-from shoal.format.chunking import chunk_spans, digest
+from shoal.format.chunking import digest
 from shoal.format.manifest import (
     ChunkLocation,
     ItemRecord,
@@ -63,7 +64,7 @@ from shoal.format.manifest import (
     decode_manifest,
 )
 from shoal.format.pack import PackBuilder, PackEntry, PackIndex
-from shoal.group.planner import ChunkRef, GroupPlan, ItemChunks, RankChunks
+from shoal.group.planner import ChunkRef, ChunkTable, Digests, GroupPlan, RankChunks
 
 log = logging.getLogger(__name__)
 
@@ -181,16 +182,14 @@ class GroupSave:
             held = frozenset(ctx.host_catalog.locations)
         try:
             t0 = time.perf_counter()
+            staged = self.job.slot.items
+            hexes = [ctx.hasher.hash_item(self.job.slot.view(s), ctx.chunk_size) for s in staged]
+            # One buffer of raw digests for the rank; each item's digests are a view of it.
+            every = Digests.from_hex(list(chain.from_iterable(hexes)))
+            bounds = [0, *accumulate(map(len, hexes))]
             items = tuple(
-                ReportItem(
-                    s.key,
-                    s.kind,
-                    s.nbytes,
-                    s.dtype,
-                    s.shape,
-                    tuple(ctx.hasher.hash_item(self.job.slot.view(s), ctx.chunk_size)),
-                )
-                for s in self.job.slot.items
+                ReportItem(s.key, s.kind, s.nbytes, s.dtype, s.shape, every[a:b])
+                for s, a, b in zip(staged, bounds[:-1], bounds[1:], strict=True)
             )
             nbytes = sum(s.nbytes for s in self.job.slot.items)
             ctx.events.emit("hashed", self.step, bytes=nbytes, seconds=time.perf_counter() - t0)
@@ -248,18 +247,16 @@ class GroupSave:
             ctx.shared_catalog = ChunkCatalog.scan(ctx.shared)
         if not self._reused_packs_present(reports, ctx.shared_catalog):
             ctx.shared_catalog = ChunkCatalog.scan(ctx.shared)
+        # Compact planner input: per rank, its items as columns over the rank's digest buffer.
         ranks = [
             RankChunks(
                 r.rank,
                 r.host,
-                tuple(
-                    ItemChunks(
-                        i.key,
-                        i.nbytes,
-                        i.digests,
-                        tuple(n for _, n in chunk_spans(i.nbytes, ctx.chunk_size)),
-                    )
-                    for i in r.items
+                ChunkTable.uniform(
+                    [i.key for i in r.items],
+                    [i.nbytes for i in r.items],
+                    ctx.chunk_size,
+                    Digests.join([i.digests for i in r.items]),
                 ),
             )
             for r in reports
@@ -283,6 +280,8 @@ class GroupSave:
 
     def _reused_packs_present(self, reports: list[RankReport], catalog: ChunkCatalog) -> bool:
         """Whether every pack this checkpoint would reuse is still on the shared tier (one check per pack)."""
+        if not len(catalog):
+            return True  # nothing to reuse: no digest to look up
         packs = {
             catalog.locations[d].pack for r in reports for i in r.items for d in i.digests if d in catalog
         }

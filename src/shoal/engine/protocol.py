@@ -48,12 +48,20 @@ class SaveJob:
 
 @dataclass(frozen=True)
 class ReportItem:
+    """One staged item as its rank reports it: its chunks' BLAKE3 digests, in order.
+
+    ``digests`` reads as a sequence of hex strings. A rank's report holds them as
+    :class:`~shoal.group.digests.Digests`, views of one buffer of raw bytes for the whole rank
+    (32 bytes a digest), so that the exchange pickles that buffer once instead of a string per
+    chunk, and the coordinator plans from it without parsing (a tuple of hex strings works too).
+    """
+
     key: str
     kind: str
     nbytes: int
     dtype: str | None
     shape: tuple[int, ...] | None
-    digests: tuple[str, ...]
+    digests: Sequence[str]
 
 
 @dataclass(frozen=True)

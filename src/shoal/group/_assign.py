@@ -12,18 +12,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Collection, Container, Mapping, Sequence
-from dataclasses import dataclass
-from itertools import chain
-from operator import attrgetter
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from shoal.group._holdings import Holdings
 from shoal.group.plan import ChunkRuns, DrainAssignment, Transfer
-
-_KEY = attrgetter("key")
-_DIGESTS = attrgetter("digests")
-_LENGTHS = attrgetter("lengths")
 
 
 def is_empty(c: Container[str]) -> bool:
@@ -100,6 +94,16 @@ class Work:
     durable: np.ndarray
     flags: np.ndarray | None
     """Durable flag per flat position; None when ``durable`` was empty."""
+    counted: dict[int, np.ndarray] = field(default_factory=dict)
+    """Chunks per slot of whole items, by the identity of the item array (see ``_chunk_counts``)."""
+    _solo_items: np.ndarray | None = None
+
+    @property
+    def solo_items(self) -> np.ndarray:
+        """The solo items' numbers (one array, so that counts cached by its identity are reused)."""
+        if self._solo_items is None:
+            self._solo_items = np.flatnonzero(self.solo)
+        return self._solo_items
 
     @property
     def reused_bytes(self) -> int:
@@ -111,7 +115,7 @@ def split(h: Holdings, durable: Container[str]) -> Work:
     nonempty = h.count > 0
     solo = nonempty & (h.holder >= 0)
     if flags is not None:
-        per_item = np.bincount(h.item_of(np.flatnonzero(flags)), minlength=len(h.items))
+        per_item = np.bincount(h.item_of(np.flatnonzero(flags)), minlength=len(h.count))
         solo &= per_item == 0
     if h.dups is not None:
         solo[h.dups.items] = False
@@ -120,11 +124,7 @@ def split(h: Holdings, durable: Container[str]) -> Work:
     item = np.repeat(other, counts)
     index = np.arange(len(item), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     flat = h.start[item] + index
-    length = np.fromiter(
-        chain.from_iterable(map(attrgetter("lengths"), map(h.items.__getitem__, other.tolist()))),
-        np.int64,
-        len(item),
-    )
+    length = h.store.lengths(other)
     holder = h.holder[item]
     if h.dups is not None:
         keep = h.dups.canon[flat] == flat
@@ -138,7 +138,7 @@ def split(h: Holdings, durable: Container[str]) -> Work:
 def owners(h: Holdings, w: Work, hosts: Hosts, info: SetInfos) -> np.ndarray:
     """The draining slot of every chunk of ``w`` (-1 for durable ones); solo items go to their holder."""
     n_slots = len(hosts.ranks)
-    solo = np.flatnonzero(w.solo)
+    solo = w.solo_items
     owner = np.full(len(w.flat), -1, dtype=np.int64)
     single = ~w.durable & (w.holder >= 0)
     owner[single] = w.holder[single]
@@ -208,7 +208,28 @@ def _runs(
     part_items: np.ndarray,
     part_index: np.ndarray,
 ) -> list[tuple[int, ChunkRuns]]:
-    """(slot, runs) per slot, by slot: whole items plus single chunks, in (key, index) order."""
+    """(slot, runs) per slot, by slot: whole items plus single chunks, in (key, index) order.
+
+    Slots that have only whole items of their own compact report get their runs from the store
+    in one step (no object per item); the rest is built here, one run at a time.
+    """
+    done: list[tuple[int, ChunkRuns]] = []
+    if len(whole):
+        done, rest = h.store.whole_runs(whole, whole_slots, part_slots)
+        if done:
+            whole, whole_slots = whole[rest], whole_slots[rest]
+    built = _built_runs(h, whole, whole_slots, part_slots, part_items, part_index)
+    return sorted(done + built, key=_first) if done else built
+
+
+def _built_runs(
+    h: Holdings,
+    whole: np.ndarray,
+    whole_slots: np.ndarray,
+    part_slots: np.ndarray,
+    part_items: np.ndarray,
+    part_index: np.ndarray,
+) -> list[tuple[int, ChunkRuns]]:
     if len(part_slots):
         order = np.lexsort((part_index, part_items, part_slots))
         slots, items, index = part_slots[order], part_items[order], part_index[order]
@@ -225,18 +246,20 @@ def _runs(
         run_start, run_end = np.zeros(len(whole), dtype=np.int64), h.count[whole]
     if not len(run_slot):
         return []
-    order = np.lexsort((run_start, run_item, h.key_rank()[run_item], run_slot))
+    # Keys ranked among the run items only (equal keys, equal rank).
+    names = list(map(h.store.key, run_item.tolist()))
+    rank_of = {k: i for i, k in enumerate(sorted(set(names)))}
+    key_rank = np.fromiter(map(rank_of.__getitem__, names), np.int64, len(names))
+    order = np.lexsort((run_start, run_item, key_rank, run_slot))
     run_slot, run_item = run_slot[order], run_item[order].tolist()
     starts, ends = run_start[order].tolist(), run_end[order].tolist()
-    reps = list(map(h.items.__getitem__, run_item))
-    keys = tuple(map(_KEY, reps))
-    # Whole items share the reported tuples; only partial runs are sliced.
-    digests = list(map(_DIGESTS, reps))
-    lengths = list(map(_LENGTHS, reps))
-    for i in np.flatnonzero((run_start[order] != 0) | (run_end[order] != h.count[run_item])).tolist():
-        digests[i] = digests[i][starts[i] : ends[i]]
-        lengths[i] = lengths[i][starts[i] : ends[i]]
-    digest_runs, length_runs, begins = tuple(digests), tuple(lengths), tuple(starts)
+    keys = tuple(map(names.__getitem__, order.tolist()))
+    # Whole items share the reported digest containers; only partial runs are sliced.
+    whole_run = ((run_start[order] == 0) & (run_end[order] == h.count[run_item])).tolist()
+    cols = list(map(h.store.run, run_item, starts, ends, whole_run))
+    digest_runs = tuple(c[0] for c in cols)
+    length_runs = tuple(c[1] for c in cols)
+    begins = tuple(starts)
     firsts = np.flatnonzero(np.append(True, run_slot[1:] != run_slot[:-1]))
     bounds = np.append(firsts, len(run_item)).tolist()
     return [
@@ -254,18 +277,32 @@ class Drained:
     chunks: np.ndarray
 
 
-def _chunk_counts(h: Holdings, whole: np.ndarray, part_slots: np.ndarray, n_slots: int) -> np.ndarray:
-    counts = np.bincount(h.holder[whole], weights=h.count[whole], minlength=n_slots)
+def _chunk_counts(
+    h: Holdings,
+    whole: np.ndarray,
+    part_slots: np.ndarray,
+    n_slots: int,
+    cache: dict[int, np.ndarray] | None = None,
+) -> np.ndarray:
+    """Chunks per slot: of the whole items ``whole`` (by holder) and one per ``part_slots``.
+
+    ``cache`` keeps the whole items' counts by the identity of ``whole`` (drains and transfers
+    of the same solo items count them once)."""
+    counts = cache.get(id(whole)) if cache is not None else None
+    if counts is None:
+        counts = np.bincount(h.holder[whole], weights=h.count[whole], minlength=n_slots)
+        if cache is not None:
+            cache[id(whole)] = counts
     return np.rint(counts + np.bincount(part_slots, minlength=n_slots)).astype(np.int64)
 
 
 def drains(h: Holdings, w: Work, hosts: Hosts, owner: np.ndarray) -> Drained:
-    solo = np.flatnonzero(w.solo)
+    solo = w.solo_items
     new = np.flatnonzero(owner >= 0)
     item, index = _located(h, w, new, owner[new])
     runs = _runs(h, solo, h.holder[solo], owner[new], item, index)
     out = [DrainAssignment(hosts.ranks[slot], hosts.names[int(hosts.slot_host[slot])], r) for slot, r in runs]
-    return Drained(out, dict(runs), _chunk_counts(h, solo, owner[new], len(hosts.ranks)))
+    return Drained(out, dict(runs), _chunk_counts(h, w.solo_items, owner[new], len(hosts.ranks), w.counted))
 
 
 @dataclass
@@ -285,7 +322,7 @@ class Replicas:
 def replicas(
     h: Holdings, w: Work, hosts: Hosts, info: SetInfos, held: Mapping[str, Container[str]] | None
 ) -> Replicas:
-    solo = np.flatnonzero(w.solo)
+    solo = w.solo_items
     one_domain = w.holder >= 0
     one_domain[~one_domain] = info.column(-1 - w.holder[~one_domain], lambda s: s.domains) == 1
     chunks = np.flatnonzero(~w.durable & one_domain)
@@ -353,7 +390,7 @@ def transfers(
     part_index.append(index)
     p_slots, p_items, p_index = map(np.concatenate, (part_slots, part_items, part_index))
     # A slot that sends everything it drains sends the same runs: share the object (and its pickle).
-    sent = _chunk_counts(h, whole, p_slots, len(hosts.ranks))
+    sent = _chunk_counts(h, whole, p_slots, len(hosts.ranks), w.counted)
     same = (sent == drained.chunks) & (sent > 0)
     w_keep, p_keep = ~same[h.holder[whole]], ~same[p_slots]
     built = _runs(

@@ -20,6 +20,10 @@ Two levels, both exact:
    digest of every distinct item is bucketed by its Python ``hash`` (cached on the string)
    with a numpy sort; equal hashes are then compared as full strings, so a duplicate is
    found if and only if the digests are equal.
+
+This module reads reports in the tuple form. Compact reports (:class:`~shoal.group.plan.ChunkTable`)
+are indexed by :mod:`shoal.group._tables` into the same :class:`Holdings`; what the second stage
+reads of the distinct items (keys, digests, lengths) goes through :attr:`Holdings.store`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +42,36 @@ _KEY = attrgetter("key")
 _DIGESTS = attrgetter("digests")
 _LENGTHS = attrgetter("lengths")
 _NBYTES = attrgetter("nbytes")
+
+
+class TupleStore:
+    """Distinct items held as the reported :class:`ItemChunks` objects (the tuple form)."""
+
+    def __init__(self, items: list[ItemChunks]) -> None:
+        self.items = items
+
+    def key(self, i: int) -> str:
+        return self.items[i].key
+
+    def run(self, i: int, a: int, b: int, whole: bool) -> tuple[Sequence[str], tuple[int, ...]]:
+        """Digests and lengths of chunks ``a``..``b - 1`` of item ``i`` (the item's own when ``whole``)."""
+        it = self.items[i]
+        return (it.digests, it.lengths) if whole else (it.digests[a:b], it.lengths[a:b])
+
+    def lengths(self, items: np.ndarray) -> np.ndarray:
+        """The chunk lengths of ``items``, item after item."""
+        reps = map(self.items.__getitem__, items.tolist())
+        return np.fromiter(chain.from_iterable(map(_LENGTHS, reps)), np.int64)
+
+    def hexes(self) -> list[str]:
+        """Every digest, in flat order."""
+        return list(chain.from_iterable(map(_DIGESTS, self.items)))
+
+    def whole_runs(
+        self, whole: np.ndarray, slots: np.ndarray, busy: np.ndarray
+    ) -> tuple[list[tuple[int, Any]], np.ndarray]:
+        """Runs built without one object per item: none here (see :mod:`shoal.group._tables`)."""
+        return [], np.ones(len(whole), dtype=bool)
 
 
 @dataclass
@@ -57,8 +92,8 @@ class Duplicates:
 class Holdings:
     """Distinct items, the slots holding each, and the dedup of their chunks."""
 
-    items: list[ItemChunks]
-    """One object per distinct ``(key, digests)``: the first slot's."""
+    items: Sequence[ItemChunks]
+    """One object per distinct ``(key, digests)``: the first slot's (built on access when compact)."""
     holder: np.ndarray
     """Per item: ``>= 0`` the one slot holding it; ``< 0``: slots ``sets[-1 - holder]``."""
     sets: list[tuple[int, ...]]
@@ -75,14 +110,21 @@ class Holdings:
     """Per slot, the items the slot was taken to hold (same key and digests as its own, from
     whichever rank reported them first), position by position: what :func:`same_reports`
     compares new reports with."""
+    store: Any = None
+    """Keys, digests and lengths of the distinct items: a :class:`TupleStore` (tuple form) or a
+    :class:`~shoal.group._tables.TableStore` (compact form)."""
     _key_rank: np.ndarray | None = None
     _digests: list[str] | None = None
 
+    def __post_init__(self) -> None:
+        if self.store is None:
+            self.store = TupleStore(self.items)  # type: ignore[arg-type]
+
     @property
     def digests(self) -> list[str]:
-        """Digest at each flat position (built when first needed)."""
+        """Digest (hex) at each flat position (built when first needed)."""
         if self._digests is None:
-            self._digests = list(chain.from_iterable(map(_DIGESTS, self.items)))
+            self._digests = self.store.hexes()
         return self._digests
 
     def key_rank(self) -> np.ndarray:
@@ -280,7 +322,8 @@ def index_reports(reports: Sequence[Sequence[ItemChunks]]) -> Holdings:
     # Items outside template matches are looked up once all templates are known, in one batch.
     extra_item = [known.one(it.key, it.digests, it, -1) for it in extras]
     known.flush()
-    holder, sets, logical = _holders(known.items, templates, classes, extra_item, extra_slot)
+    nbytes = np.fromiter(map(_NBYTES, known.items), np.int64, len(known.items))
+    holder, sets, logical = _holders(nbytes, [t.items for t in templates], classes, extra_item, extra_slot)
     h = _chunks(known, holder, sets, logical)
     h.seen = seen
     return h
@@ -303,31 +346,76 @@ def same_reports(h: Holdings, reports: Sequence[Sequence[ItemChunks]]) -> bool:
     return True
 
 
+def _one_class_each(
+    template_items: Sequence[np.ndarray], classes: dict[tuple[int, tuple[int, ...]], list[int]], n_items: int
+) -> bool:
+    """Whether the classes are the templates in order, each whole, and hold items 0, 1, ... once."""
+    if len(classes) != len(template_items):
+        return False
+    if any(tid != i or lacked for i, (tid, lacked) in enumerate(classes)):
+        return False
+    held = np.concatenate([np.zeros(0, dtype=np.int64), *template_items])
+    return len(held) == n_items and bool((held == np.arange(n_items)).all())
+
+
 def _holders(
-    items: list[ItemChunks],
-    templates: list[_Template],
+    nbytes: np.ndarray,
+    template_items: Sequence[np.ndarray],
     classes: dict[tuple[int, tuple[int, ...]], list[int]],
-    extra_item: list[int],
-    extra_slot: list[int],
+    extra_item: Sequence[int] | np.ndarray,
+    extra_slot: Sequence[int] | np.ndarray,
 ) -> tuple[np.ndarray, list[tuple[int, ...]], int]:
-    """Holder code per item (see :attr:`Holdings.holder`) and the logical bytes of all reports."""
-    n_items = len(items)
-    nbytes = np.fromiter(map(_NBYTES, items), np.int64, n_items)
-    first_class = np.full(n_items, -1, dtype=np.int64)
-    shared: dict[int, list[int]] = {}  # item -> every class holding it, when more than one
+    """Holder code per item (see :attr:`Holdings.holder`) and the logical bytes of all reports.
+
+    ``nbytes``: each distinct item's reported size; ``template_items``: the distinct item at each
+    position of each template; ``classes``: (template, positions lacked) -> slots; extras: items
+    held outside a template match, and the slot holding each.
+    """
+    n_items = len(nbytes)
     class_slots = list(classes.values())
     ex_item, ex_slot = np.array(extra_item, dtype=np.int64), np.array(extra_slot, dtype=np.int64)
-    logical = int(nbytes[ex_item].sum())
-    for cid, ((tid, lacked), slots) in enumerate(classes.items()):
-        held = templates[tid].items
-        if lacked:
-            held = np.delete(held, lacked)
-        logical += int(nbytes[held].sum()) * len(slots)
-        fresh = first_class[held] < 0
-        first_class[held[fresh]] = cid
-        if not fresh.all():
-            for item in held[~fresh].tolist():
-                shared.setdefault(item, [int(first_class[item])]).append(cid)
+    if not len(ex_item) and len(classes) == len(template_items) == n_items == 0:
+        return np.zeros(0, dtype=np.int64), [], 0
+    if not len(ex_item) and _one_class_each(template_items, classes, n_items):
+        # Every item held by one class only (a fully sharded job): no per-class numpy.
+        sizes = np.array([len(template_items[tid]) for tid, _ in classes], dtype=np.int64)
+        n_slots = np.repeat(np.array([len(x) for x in class_slots], dtype=np.int64), sizes)
+        alone = n_slots == 1
+        sets: list[tuple[int, ...]] = [tuple(x) for x in class_slots if len(x) > 1]
+        codes = []
+        k = 0
+        for x in class_slots:
+            if len(x) == 1:
+                codes.append(x[0])
+            else:
+                k += 1
+                codes.append(-k)
+        holder = np.repeat(np.array(codes, dtype=np.int64), sizes)
+        logical = int(nbytes.sum()) if alone.all() else int((nbytes * n_slots).sum())
+        return holder, sets, logical
+    # Every (class, item) pair at once: the items of each class's template, less those it lacks.
+    helds = [
+        np.delete(template_items[tid], lacked) if lacked else template_items[tid] for tid, lacked in classes
+    ]
+    sizes = np.array([len(x) for x in helds], dtype=np.int64)
+    held = np.concatenate([np.zeros(0, dtype=np.int64), *helds])
+    cid = np.repeat(np.arange(len(helds), dtype=np.int64), sizes)
+    n_slots = np.array([len(x) for x in class_slots], dtype=np.int64)
+    logical = int(nbytes[ex_item].sum()) + int((nbytes[held] * n_slots[cid]).sum())
+    # First class holding each item; items held by several classes (rare) one by one, in order.
+    first_class = np.full(n_items, -1, dtype=np.int64)
+    times = np.bincount(held, minlength=n_items)
+    once = times[held] == 1
+    first_class[held[once]] = cid[once]
+    shared: dict[int, list[int]] = {}  # item -> every class holding it, when more than one
+    for item, c in zip(held[~once].tolist(), cid[~once].tolist(), strict=True):
+        cids = shared.setdefault(item, [])
+        if not cids or cids[-1] != c:
+            cids.append(c)
+    for item, cids in list(shared.items()):
+        first_class[item] = cids[0]
+        if len(cids) == 1:
+            del shared[item]
 
     sets: list[tuple[int, ...]] = []
     set_ids: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
@@ -343,8 +431,11 @@ def _holders(
         return -1 - k
 
     in_class = first_class >= 0
-    used = np.unique(first_class[in_class]).tolist()
     class_code = np.zeros(len(class_slots), dtype=np.int64)
+    used = np.bincount(first_class[in_class], minlength=len(class_slots)) > 0
+    alone_class = used & (n_slots == 1)
+    class_code[alone_class] = [class_slots[c][0] for c in np.flatnonzero(alone_class).tolist()]
+    used = np.flatnonzero(used & ~alone_class).tolist()
     class_code[used] = [code((c,), ()) for c in used]
     holder = np.where(in_class, class_code[np.maximum(first_class, 0)], 0)
     # Items held outside template matches: one slot and no class is the common case (a rank's shard).
@@ -392,6 +483,11 @@ def _duplicates(h: Holdings, hashes: np.ndarray) -> Duplicates | None:
             places[ps[0]] = ps
     if not places:
         return None
+    return duplicates_at(h, canon, places)
+
+
+def duplicates_at(h: Holdings, canon: np.ndarray, places: dict[int, list[int]]) -> Duplicates:
+    """:class:`Duplicates` of the flat positions ``places`` (first -> all) holding equal digests."""
     holder: dict[int, int] = {}
     set_ids: dict[tuple[int, ...], int] = {}
     for first, ps in places.items():

@@ -4,15 +4,30 @@ Ranks report :class:`RankChunks`; the planner (:mod:`shoal.group.planner`) answe
 :class:`CheckpointPlan` (one host) or a :class:`GroupPlan` (drains and partner transfers).
 Chunks in a plan are :class:`ChunkRuns`: runs of consecutive chunks of one item, stored as
 columns, so that a plan for thousands of ranks stays small to build and to broadcast. A
-run that covers a whole item shares the digest tuple the rank reported.
+run that covers a whole item shares the digest container the rank reported.
+
+Reports come in two forms, planned alike (the same plan for the same chunks):
+
+* **tuples**: :attr:`RankChunks.items` a tuple of :class:`ItemChunks`, digests tuples of hex
+  strings (or :class:`~shoal.group.digests.Digests`);
+* **compact**: :attr:`RankChunks.items` a :class:`ChunkTable`, the rank's items as columns
+  with all its digests in one buffer of raw bytes. It still reads as a sequence of
+  :class:`ItemChunks`; the planner reads its columns, touching no Python object per chunk,
+  and runs of whole items refer to the table instead of holding one object per item.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from operator import attrgetter
+from typing import Any, overload
+
+import numpy as np
+
+from shoal.group.digests import Digests, ItemDigests, ItemLengths
 
 
 @dataclass(frozen=True)
@@ -20,22 +35,199 @@ class ItemChunks:
     """One staged item as its rank reports it: its chunks' BLAKE3 digests (hex) and lengths.
 
     The planner takes two items with the same key and digests to be the same item (their
-    ``nbytes`` is that of the first rank to report it).
+    ``nbytes`` is that of the first rank to report it). ``digests`` is a tuple of hex strings
+    or a :class:`~shoal.group.digests.Digests`.
     """
 
     key: str
     nbytes: int
-    digests: tuple[str, ...]
+    digests: Sequence[str]
     lengths: tuple[int, ...]
+
+
+def _frozen(a: Any) -> np.ndarray:
+    out = np.array(a, dtype=np.int64).reshape(-1)
+    out.flags.writeable = False
+    return out
+
+
+class ChunkTable(Sequence[ItemChunks]):
+    """One rank's items as columns: the compact form of :attr:`RankChunks.items`.
+
+    ``keys`` and ``nbytes`` per item, ``counts`` (chunks per item), ``lengths`` (every
+    chunk's length, item after item) and ``digests`` (every chunk's digest, item after item,
+    in one buffer). :meth:`uniform` builds the table of items cut into chunks of one size
+    (the engine's chunking), whose counts and lengths follow from ``nbytes``. Reads as a
+    tuple of :class:`ItemChunks` (whose digests are views of the buffer) and equals one with
+    equal items. Immutable; pickles as its columns.
+    """
+
+    __slots__ = ("_lengths", "chunk_size", "counts", "digests", "item_bytes", "keys", "nbytes", "starts")
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        nbytes: Sequence[int] | np.ndarray,
+        counts: Sequence[int] | np.ndarray | None,
+        lengths: Sequence[int] | np.ndarray | None,
+        digests: Digests,
+        chunk_size: int | None = None,
+    ) -> None:
+        self.keys: tuple[str, ...] = tuple(keys)
+        self.nbytes = _frozen(nbytes)
+        self.digests = digests
+        self.chunk_size = chunk_size
+        if chunk_size is not None:
+            if chunk_size <= 0:
+                raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+            if (self.nbytes < 0).any():
+                raise ValueError("an item of negative size")
+            self.counts = _frozen(-(-self.nbytes // chunk_size))
+            self._lengths: np.ndarray | None = None
+            self.item_bytes = self.nbytes
+        else:
+            if counts is None or lengths is None:
+                raise ValueError("counts and lengths are needed without a chunk_size")
+            self.counts = _frozen(counts)
+            self._lengths = _frozen(lengths)
+            if (self.counts < 0).any():
+                raise ValueError("a negative chunk count")
+        if not len(self.keys) == len(self.nbytes) == len(self.counts):
+            raise ValueError(
+                f"{len(self.keys)} keys, {len(self.nbytes)} sizes and {len(self.counts)} chunk counts"
+            )
+        total = int(self.counts.sum())
+        if total != len(digests) or (self._lengths is not None and total != len(self._lengths)):
+            raise ValueError(f"{total} chunks in the items, but {len(digests)} digests")
+        self.starts = _frozen(np.cumsum(self.counts) - self.counts)
+        if chunk_size is None:
+            ends = np.concatenate([[0], np.cumsum(self.lengths)])
+            self.item_bytes = _frozen(ends[self.starts + self.counts] - ends[self.starts])
+
+    @classmethod
+    def uniform(
+        cls, keys: Sequence[str], nbytes: Sequence[int] | np.ndarray, chunk_size: int, digests: Digests
+    ) -> ChunkTable:
+        """Items of ``nbytes`` bytes cut into chunks of ``chunk_size`` (the last one shorter)."""
+        return cls(keys, nbytes, None, None, digests, chunk_size)
+
+    @classmethod
+    def from_items(cls, items: Iterable[ItemChunks]) -> ChunkTable:
+        """The table of ``items`` (digests tuples of hex strings or :class:`Digests`)."""
+        items = list(items)
+        for it in items:
+            if len(it.digests) != len(it.lengths):
+                raise ValueError(
+                    f"item {it.key!r}: {len(it.digests)} chunk digests but {len(it.lengths)} chunk lengths"
+                )
+        ds = [it.digests for it in items]
+        if all(isinstance(d, Digests) for d in ds):
+            digests = Digests.join(ds)
+        else:
+            digests = Digests.from_hex(list(chain.from_iterable(ds)))
+        return cls(
+            [it.key for it in items],
+            [it.nbytes for it in items],
+            [len(it.lengths) for it in items],
+            np.fromiter(chain.from_iterable(it.lengths for it in items), np.int64),
+            digests,
+        )
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Every chunk's length, item after item."""
+        if self._lengths is None:
+            assert self.chunk_size is not None
+            out = np.full(len(self.digests), self.chunk_size, dtype=np.int64)
+            full = self.counts > 0
+            out[(self.starts + self.counts - 1)[full]] = (self.nbytes - (self.counts - 1) * self.chunk_size)[
+                full
+            ]
+            out.flags.writeable = False
+            self._lengths = out
+        return self._lengths
+
+    def item_digests(self, i: int) -> Digests:
+        buf, at = self.digests.buffer
+        return Digests.view(buf, at + int(self.starts[i]), int(self.counts[i]))
+
+    def item_lengths(self, i: int) -> tuple[int, ...]:
+        n = int(self.counts[i])
+        if self._lengths is None and self.chunk_size is not None:
+            return (
+                (self.chunk_size,) * (n - 1) + (int(self.nbytes[i]) - (n - 1) * self.chunk_size,) if n else ()
+            )
+        a = int(self.starts[i])
+        return tuple(self.lengths[a : a + n].tolist())
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @overload
+    def __getitem__(self, i: int) -> ItemChunks: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[ItemChunks, ...]: ...
+    def __getitem__(self, i: int | slice) -> ItemChunks | tuple[ItemChunks, ...]:
+        if isinstance(i, slice):
+            return tuple(map(self.__getitem__, range(len(self.keys))[i]))
+        if i < 0:
+            i += len(self.keys)
+        if not 0 <= i < len(self.keys):
+            raise IndexError("item index out of range")
+        return ItemChunks(self.keys[i], int(self.nbytes[i]), self.item_digests(i), self.item_lengths(i))
+
+    def __iter__(self) -> Iterator[ItemChunks]:
+        return map(self.__getitem__, range(len(self.keys)))
+
+    def same(self, other: ChunkTable) -> bool:
+        """Equal columns (keys, sizes, chunk counts, lengths and digest bytes)."""
+        if self is other:
+            return True
+        if not (
+            self.digests == other.digests
+            and self.keys == other.keys
+            and np.array_equal(self.nbytes, other.nbytes)
+            and np.array_equal(self.counts, other.counts)
+        ):
+            return False
+        if self.chunk_size is not None and self.chunk_size == other.chunk_size:
+            return True  # lengths follow from the sizes
+        return np.array_equal(self.lengths, other.lengths)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ChunkTable):
+            return self.same(other)
+        if isinstance(other, (tuple, list)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"ChunkTable({len(self.keys)} items, {len(self.digests)} chunks)"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.chunk_size is not None:
+            return (ChunkTable, (self.keys, self.nbytes, None, None, self.digests, self.chunk_size))
+        return (ChunkTable, (self.keys, self.nbytes, self.counts, self.lengths, self.digests))
 
 
 @dataclass(frozen=True)
 class RankChunks:
-    """Everything one rank staged for a checkpoint, in its own item order."""
+    """Everything one rank staged for a checkpoint, in its own item order.
+
+    ``items``: a tuple of :class:`ItemChunks`, or the same items as one :class:`ChunkTable`
+    (the compact form; what the planner reads fastest).
+    """
 
     rank: int
     host: str
-    items: tuple[ItemChunks, ...]
+    items: tuple[ItemChunks, ...] | ChunkTable
 
 
 @dataclass(frozen=True)
@@ -54,13 +246,15 @@ class ChunkRuns:
 
     Run ``i`` holds chunks ``starts[i]``, ``starts[i] + 1``, ... of item ``keys[i]``, with
     digests ``digests[i]`` and lengths ``lengths[i]``; runs are in (key, start) order.
-    Iterating yields one :class:`ChunkRef` per chunk.
+    Iterating yields one :class:`ChunkRef` per chunk. Each column is a tuple, or (for runs
+    of whole items of a :class:`ChunkTable`) a lazy sequence that reads the table and equals
+    the tuple it stands for: a plan does not hold one object per item of a fully sharded job.
     """
 
-    keys: tuple[str, ...] = ()
-    starts: tuple[int, ...] = ()
-    digests: tuple[tuple[str, ...], ...] = ()
-    lengths: tuple[tuple[int, ...], ...] = ()
+    keys: Sequence[str] = ()
+    starts: Sequence[int] = ()
+    digests: Sequence[Sequence[str]] = ()
+    lengths: Sequence[tuple[int, ...]] = ()
 
     def __iter__(self) -> Iterator[ChunkRef]:
         for key, start, digests, lengths in zip(
@@ -70,10 +264,14 @@ class ChunkRuns:
                 yield ChunkRef(d, key, start + i, n)
 
     def __len__(self) -> int:
+        if isinstance(self.digests, ItemDigests):
+            return self.digests.total()
         return sum(map(len, self.digests))
 
     @property
     def nbytes(self) -> int:
+        if isinstance(self.lengths, ItemLengths):
+            return self.lengths.total()
         return sum(map(sum, self.lengths))
 
 
@@ -190,6 +388,8 @@ __all__ = [
     "CheckpointPlan",
     "ChunkRef",
     "ChunkRuns",
+    "ChunkTable",
+    "Digests",
     "DrainAssignment",
     "GroupPlan",
     "ItemChunks",

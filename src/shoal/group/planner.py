@@ -50,10 +50,13 @@ from shoal.errors import ConfigError
 from shoal.group import _assign as assign
 from shoal.group._assign import Hosts
 from shoal.group._holdings import Holdings, index_reports, same_reports
+from shoal.group._tables import TableStore, index_tables, same_tables
+from shoal.group.digests import Digests
 from shoal.group.plan import (
     CheckpointPlan,
     ChunkRef,
     ChunkRuns,
+    ChunkTable,
     DrainAssignment,
     GroupPlan,
     ItemChunks,
@@ -88,6 +91,34 @@ def _ordered(ranks: Sequence[RankChunks]) -> list[RankChunks]:
     return ordered
 
 
+def _compact(reports: Sequence[Sequence[ItemChunks]]) -> bool:
+    return any(isinstance(r, ChunkTable) or (len(r) and isinstance(r[0].digests, Digests)) for r in reports)
+
+
+def _tables(reports: Sequence[Sequence[ItemChunks]]) -> list[ChunkTable | None] | None:
+    """The reports as tables when any is compact (a table, or :class:`Digests` digests), else None.
+
+    Tuple-form reports among compact ones are converted (their hex digests parsed once).
+    """
+    if not _compact(reports):
+        return None
+    return [r if isinstance(r, ChunkTable) else ChunkTable.from_items(r) if len(r) else None for r in reports]
+
+
+def _index(reports: Sequence[Sequence[ItemChunks]]) -> Holdings:
+    """The planner's first stage, for either form of report."""
+    tables = _tables(reports)
+    return index_reports(reports) if tables is None else index_tables(tables)
+
+
+def _same(h: Holdings, reports: Sequence[Sequence[ItemChunks]]) -> bool:
+    """Whether ``reports`` are those ``h`` was built from (exactly: keys, sizes, digests)."""
+    if isinstance(h.store, TableStore):
+        tables = _tables(reports)
+        return tables is not None and same_tables(h, tables)
+    return not _compact(reports) and same_reports(h, reports)
+
+
 def plan_save(step: int, ranks: Sequence[RankChunks], durable: Container[str]) -> CheckpointPlan:
     """Deduplicate across ranks and against ``durable``; give each new chunk one owner, balanced by host.
 
@@ -107,7 +138,7 @@ def _plan_save(step: int, ranks: Sequence[RankChunks], durable: Container[str]) 
         names,
         np.arange(len(names), dtype=np.int64),
     )
-    h = index_reports([rc.items for rc in ordered])
+    h = _index([rc.items for rc in ordered])
     w, drains, _ = assign.plan_parts(h, hosts, durable, None, None)
     return CheckpointPlan(step, tuple(drains), h.logical_bytes, assign.unique_bytes(h, w), w.reused_bytes)
 
@@ -170,7 +201,7 @@ def plan_group_save(
         ordered = _ordered(ranks)
         hosts = _group_hosts(ordered, topology)
         partner = _partners(hosts, topology, replicate)
-        h = index_reports([rc.items for rc in ordered])
+        h = _index([rc.items for rc in ordered])
         w, drains, transfers = assign.plan_parts(h, hosts, durable, held, partner)
         return GroupPlan(
             step, tuple(drains), tuple(transfers), h.logical_bytes, assign.unique_bytes(h, w), w.reused_bytes
@@ -254,9 +285,9 @@ class PlanCache:
         who = [(rc.rank, rc.host) for rc in ordered]
         reports = [rc.items for rc in ordered]
         h = self._holdings
-        same_layout = h is not None and who == self._ranks and same_reports(h, reports)
+        same_layout = h is not None and who == self._ranks and _same(h, reports)
         if h is None or not same_layout:
-            h = self._holdings = index_reports(reports)
+            h = self._holdings = _index(reports)
             self._ranks, self._last = who, None
         w = assign.split(h, durable)
         info = assign.SetInfos(h.sets, hosts)
@@ -297,6 +328,8 @@ __all__ = [  # the plan's data types live in shoal.group.plan; importing them fr
     "CheckpointPlan",
     "ChunkRef",
     "ChunkRuns",
+    "ChunkTable",
+    "Digests",
     "DrainAssignment",
     "GroupPlan",
     "ItemChunks",
