@@ -113,7 +113,6 @@ class Holdings:
     store: Any = None
     """Keys, digests and lengths of the distinct items: a :class:`TupleStore` (tuple form) or a
     :class:`~shoal.group._tables.TableStore` (compact form)."""
-    _key_rank: np.ndarray | None = None
     _digests: list[str] | None = None
 
     def __post_init__(self) -> None:
@@ -126,14 +125,6 @@ class Holdings:
         if self._digests is None:
             self._digests = self.store.hexes()
         return self._digests
-
-    def key_rank(self) -> np.ndarray:
-        """Per item, the rank of its key in sorted order (equal keys, equal rank)."""
-        if self._key_rank is None:
-            keys = list(map(_KEY, self.items))
-            order = {k: i for i, k in enumerate(sorted(set(keys)))}
-            self._key_rank = np.fromiter(map(order.__getitem__, keys), np.int64, len(keys))
-        return self._key_rank
 
     def item_of(self, flat: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.start, flat, side="right") - 1

@@ -173,10 +173,6 @@ class TableStore:
     def hexes(self) -> list[str]:
         return list(chain.from_iterable(self.run(i, 0, 0, True)[0] for i in range(len(self.src))))
 
-    def words(self, items: np.ndarray, index: np.ndarray) -> np.ndarray:
-        """Digest words ``(n, 4)`` of chunk ``index[k]`` of distinct item ``items[k]``."""
-        return _rows(self.tables, self.src[items], self.pos[items], index)
-
     def _order(self, slot: int) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]:
         lid = self.layout[slot]
         got = self._orders.get(lid)
@@ -227,31 +223,6 @@ class TableStore:
 
 def _slot(pair: tuple[int, ChunkRuns]) -> int:
     return pair[0]
-
-
-def _rows(tables: list[ChunkTable | None], src: np.ndarray, pos: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """Digest words ``(n, 4)`` of chunk ``index[k]`` of item ``pos[k]`` of table ``src[k]``."""
-    out = np.empty((len(src), 4), dtype=np.uint64)
-    if not len(src):
-        return out
-    if len(src) < 4 * len(np.unique(src)):  # scattered: a few rows per table, sliced one by one
-        bufs = []
-        for s_, p, i in zip(src.tolist(), pos.tolist(), index.tolist(), strict=True):
-            t = tables[s_]
-            assert t is not None
-            buf, a = t.digests.buffer
-            x = (a + int(t.starts[p]) + i) * DIGEST_SIZE
-            bufs.append(buf[x : x + DIGEST_SIZE])
-        return np.frombuffer(b"".join(bufs), np.uint64).reshape(-1, 4).copy()
-    order = np.argsort(src, kind="stable")
-    s = src[order]
-    cuts = np.flatnonzero(np.append(True, s[1:] != s[:-1]))
-    for a, b in zip(cuts.tolist(), [*cuts[1:].tolist(), len(s)], strict=True):
-        t = tables[int(s[a])]
-        assert t is not None
-        ks = order[a:b]
-        out[ks] = t.digests.words()[t.starts[pos[ks]] + index[ks]]
-    return out
 
 
 def _equal_chunks(keys: Any, rows: Any) -> list[np.ndarray]:

@@ -186,8 +186,8 @@ class ChunkTable(Sequence[ItemChunks]):
         if not (
             self.digests == other.digests
             and self.keys == other.keys
-            and np.array_equal(self.nbytes, other.nbytes)
-            and np.array_equal(self.counts, other.counts)
+            and self.nbytes.tobytes() == other.nbytes.tobytes()
+            and self.counts.tobytes() == other.counts.tobytes()
         ):
             return False
         if self.chunk_size is not None and self.chunk_size == other.chunk_size:

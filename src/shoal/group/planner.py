@@ -19,6 +19,14 @@ and the chunks each host's tier already holds. Output:
 Scale. The coordinator plans every checkpoint, for up to 16,384 ranks of 1,000 chunks each:
 16 million digests, more than pure Python can touch one by one in a second. So:
 
+0. reports come as tuples of hex strings or in the *compact* form
+   (:class:`~shoal.group.plan.ChunkTable`: a rank's items as columns, its digests as raw
+   bytes in one buffer, what the group save's exchange delivers). Compact reports are
+   indexed by :mod:`~shoal.group._tables`, which compares whole ranks with ``memcmp``, keys
+   digests by their first 64 bits and sorts those (``np.sort``), confirming any repeat on all
+   32 bytes, and touches no Python object per chunk; the rest of this list describes the
+   tuple form, whose result is the same :class:`~shoal.group._holdings.Holdings`. Either
+   form gives the same plan;
 1. :mod:`~shoal.group._holdings` reduces the reports to *distinct items*: each rank is
    compared with the last similar rank (a *template*) in one pass, item by item (same key,
    same digest tuple, compared exactly); only the items that differ are looked up by their
@@ -29,10 +37,12 @@ Scale. The coordinator plans every checkpoint, for up to 16,384 ranks of 1,000 c
    is drained and sent whole by that rank; only chunks several ranks hold go through the
    greedy. Per-chunk arithmetic is numpy;
 3. plans hold chunks as :class:`~shoal.group.plan.ChunkRuns` (a whole item is one run that
-   shares the reported digest tuple), and a transfer that sends everything its sender drains
-   shares the drain's runs, so plans stay small to build and to broadcast.
+   shares the reported digest container; a rank that drains only whole items of its own
+   compact report gets runs that read its table, no object per item), and a transfer that
+   sends everything its sender drains shares the drain's runs, so plans stay small to build
+   and to broadcast.
 
-Digests are never shortened or trusted by hash: equal means equal strings.
+Digests are never shortened or trusted by hash: equal means equal strings, or all 32 bytes.
 :class:`PlanCache` reuses the dedup and the plan while nothing they depend on changes.
 """
 
@@ -230,10 +240,11 @@ class PlanCache:
     """Reuses the previous group plan when nothing it was computed from has changed.
 
     ``lookup_or_plan`` takes the arguments of :func:`plan_group_save`, keeps the last
-    layout and plan, and on each call compares, exactly (full strings, no hashes):
+    layout and plan, and on each call compares, exactly (full strings or bytes, no hashes):
 
     * the layout signature: ``(rank, host, key, nbytes)`` of every item of every rank;
     * every chunk digest of every item (equal digests mean equal chunks, so equal lengths);
+      compact reports are compared table by table (columns and digest buffers);
     * the topology and ``replicate``;
     * whether each chunk is in ``durable``, and, for each new chunk that may need a
       replica, whether a host of another failure domain holds it (``held``).
