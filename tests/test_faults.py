@@ -164,8 +164,11 @@ def test_shared_root_vanishing_mid_save_fails_that_checkpoint_only(config):
         os.remove(root)
         os.rename(root + ".away", root)
         out = zeros_like_state(first)
-        assert ckpt.load(out) == 1  # the earlier checkpoint is intact
+        assert ckpt.load(out, step=1) == 1  # the earlier checkpoint is intact
         assert_state_equal(out, first)
+        assert ckpt.load(out) == 2  # step 2 never left DRAM, where it is whole: restorable (B1)
+        assert_state_equal(out, second)
+        assert ckpt.last_load is not None and ckpt.last_load.origin == "staged"
         ckpt.save(3, second).wait(timeout=60)  # and training's next checkpoint goes through
         out = zeros_like_state(second)
         assert ckpt.load(out) == 3

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 
+import pytest
+
 from shoal.testing import restore_scenarios as rs
 from shoal.testing.multiproc import run_ranks
 
@@ -58,3 +60,36 @@ def test_after_losing_a_host_the_newest_checkpoint_on_two_hosts_wins_over_older_
     for r in results:
         assert r["step"] == 2  # newer than LATEST (step 1): restored from h0's DRAM and partner copies
         assert r["origin"].endswith(":h0")
+
+
+# (failpoint, the rank it kills, the step that must load after restart). Rank 0 is the coordinator;
+# rank 2 leads host h1 (a replica target: it receives h0's partner copies); every rank drains its
+# own shards. A killed process leaves its host's DRAM: B1 survives it, so a checkpoint that
+# reached B1 (save returned on every rank) must load; one that did not must not.
+KILLS = [
+    ("stage.after_copy", 2, 1),
+    ("pipeline.before_hash", 2, 2),
+    ("pipeline.before_replica_manifest", 2, 2),
+    ("pipeline.before_drain", 3, 2),
+    ("pipeline.before_latest", 0, 2),
+]
+MORE_KILLS = [
+    ("pipeline.after_replica_pack", 2, 2),
+    ("pipeline.after_replicate", 1, 2),
+    ("pipeline.after_pack", 1, 2),
+    ("pipeline.before_manifest", 0, 2),
+    ("pipeline.before_commit", 0, 2),
+]
+if os.environ.get("SHOAL_FULL_KILL_MATRIX"):
+    KILLS += MORE_KILLS
+
+
+@pytest.mark.parametrize(("point", "victim", "expected"), KILLS, ids=[f"{p}@rank{v}" for p, v, _ in KILLS])
+def test_a_kill_at_each_failpoint_restores_the_newest_checkpoint_that_survives_it(
+    tmp_path, point, victim, expected
+):
+    root = str(tmp_path)
+    kwargs = {"root": root, "fault": f"{point}=kill", "victim": victim}
+    run_ranks(rs.crash_at, hosts=HOSTS, kwargs=kwargs, allow_death=[0, 1, 2, 3], timeout=120)
+    results = run_ranks(rs.restore_after_crash, hosts=HOSTS, kwargs={"root": root}, timeout=120)
+    assert [r["step"] for r in results] == [expected] * 4  # bit-exact, and step 1 still loads (in ranks)

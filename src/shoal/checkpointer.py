@@ -27,10 +27,11 @@ from shoal.boundary import Boundary
 from shoal.config import Config
 from shoal.engine.catalog import ChunkCatalog
 from shoal.engine.events import EventLog
-from shoal.engine.group_save import STAGED_DIR, PipelineContext, SaveJob
+from shoal.engine.group_save import PipelineContext, SaveJob
 from shoal.engine.handle import SaveHandle
 from shoal.engine.pipeline import Pipeline
 from shoal.engine.restore import LoadReport, Restore, RestoreContext, sources_in
+from shoal.engine.staged import StagedIndex, staged_path
 from shoal.engine.stager import Slot, SlotRing, StagedItem, StageEntry, stage_into
 from shoal.engine.store import list_checkpoints, read_pointer, resolve_manifest
 from shoal.errors import CheckpointExists, ConfigError
@@ -262,13 +263,21 @@ class Checkpointer:
         try:
             # The slot's staged index describes the checkpoint about to be overwritten: drop it
             # first, so that a crash mid-copy never leaves an index over half-new bytes.
-            self.dram.delete(f"{STAGED_DIR}/{slot.name}.json")
+            self.dram.delete(staged_path(slot.name))
             staged = stage_into(slot, self.dram, entries, rank=self.rank)  # type: ignore[arg-type]
         except BaseException:
             self._ring.release(slot)
             raise
         failpoints.hit("stage.after_copy", rank=self.rank)
         job = SaveJob(step, slot, handle, self.config.job)
+        job.staged = StagedIndex(
+            self.config.job, step, self.rank, self.world_size, slot.name, self.config.chunk_size, staged
+        )
+        try:
+            job.staged.write(self.dram)  # B1 survives a crash of this process: the slab is described
+        except BaseException:
+            self._ring.release(slot)
+            raise
         with self._lock:
             self._staging[step] = job
         self._warm_other_slots(slot)
@@ -297,6 +306,9 @@ class Checkpointer:
             return  # skipped
         try:
             job.dcp = encode_metadata(metadata)
+            if job.staged is not None:  # the checkpoint is restorable from DRAM alone from here on
+                job.staged.dcp = job.dcp
+                job.staged.write(self.dram)
         except BaseException as e:
             job.aborted = f"{type(e).__name__}: {e}"
             raise
@@ -420,7 +432,7 @@ class Checkpointer:
         # Every checkpoint is finished: the staged copies are redundant, give /dev/shm back.
         self._ring.close(release_memory=True)
         for slot in self._ring.slots:  # their staged indexes describe slabs that are gone
-            self.dram.delete(f"{STAGED_DIR}/{slot.name}.json")
+            self.dram.delete(staged_path(slot.name))
         for tier in (self.shared, self.dram):
             tier.close()
 

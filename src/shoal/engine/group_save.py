@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -41,7 +40,6 @@ from shoal import __version__, failpoints
 from shoal.boundary import Boundary
 from shoal.engine.catalog import ChunkCatalog
 from shoal.engine.protocol import (
-    STAGED_DIR,
     GroupFailure,
     PipelineContext,
     RankReport,
@@ -50,6 +48,7 @@ from shoal.engine.protocol import (
     check_errors,
     describe,
 )
+from shoal.engine.staged import STAGED_DIR
 from shoal.errors import ChecksumMismatch
 from shoal.format import layout
 from shoal.format.chunking import digest
@@ -199,33 +198,12 @@ class GroupSave:
             return RankReport(ctx.rank, ctx.host, (), held, self._local("hash", e))
 
     def _write_staged_index(self, items: tuple[ReportItem, ...]) -> None:
-        """Record what the slot holds (items, offsets, digests) next to it in the DRAM tier.
-
-        A restarted process reads it to find staged chunks in the slab (DESIGN.md section 5).
-        """
-        if self.ctx.dram is None:
+        """Add the chunk digests to the slot's staged index (written at B1; DESIGN.md section 5)."""
+        staged = self.job.staged
+        if self.ctx.dram is None or staged is None:
             return
-        slot = self.job.slot
-        doc = {
-            "format": "shoal-staged/1",
-            "step": self.step,
-            "rank": self.ctx.rank,
-            "slab": slot.name,
-            "chunk_size": self.ctx.chunk_size,
-            "items": [
-                {
-                    "key": i.key,
-                    "kind": i.kind,
-                    "offset": self.items[i.key].offset,
-                    "nbytes": i.nbytes,
-                    "dtype": i.dtype,
-                    "shape": None if i.shape is None else list(i.shape),
-                    "chunks": list(i.digests),
-                }
-                for i in items
-            ],
-        }
-        self.ctx.dram.write(f"{STAGED_DIR}/{slot.name}.json", json.dumps(doc).encode())
+        staged.digests = {i.key: i.digests for i in items}
+        staged.write(self.ctx.dram)
 
     # -- C2: plan ----------------------------------------------------------------------------
     def _agree_on_plan(self, reports: list[RankReport] | None) -> GroupPlan:

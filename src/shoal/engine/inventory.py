@@ -11,70 +11,118 @@ of every chunk. Nothing here trusts bytes: every chunk is verified when it is re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.boundary import Boundary
-from shoal.engine.protocol import STAGED_DIR
+from shoal.engine.staged import STAGED_DIR, STAGED_FORMAT
 from shoal.engine.store import list_checkpoints
 from shoal.errors import ShoalError
 from shoal.format import layout
-from shoal.format.manifest import Manifest
+from shoal.format.chunking import digest
+from shoal.format.manifest import ItemRecord, Manifest, WorldInfo
 from shoal.group.readplan import SHARED, Candidate, Source
 from shoal.tiers.base import Tier
+from shoal.tiers.dram import DramTier
 
 log = logging.getLogger(__name__)
-
-STAGED_FORMAT = "shoal-staged/1"
 
 
 @dataclass(frozen=True)
 class StagedItemRecord:
     key: str
+    kind: str
     offset: int
     nbytes: int
-    chunks: tuple[str, ...]
+    chunks: tuple[str, ...] | None
+    """Chunk digests; None while the pipeline has not hashed the item yet."""
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class StagedRecord:
-    """One DRAM slab's staged index: the step it holds and where each item's chunks lie in it."""
+    """One DRAM slab's staged index: the step it holds and where each item's bytes lie in it."""
 
     step: int
     rank: int
     slab: str
     chunk_size: int
     items: tuple[StagedItemRecord, ...]
+    world_size: int = 0
+    job: str = ""
+    created: float = 0.0
+    dcp: Mapping[str, Any] | None = None
 
 
-def _staged_record(doc: Mapping[str, object], where: str) -> StagedRecord:
+def _staged_record(doc: Mapping[str, Any], where: str) -> StagedRecord:
     if doc.get("format") != STAGED_FORMAT:
         raise ValueError(f"{where}: format is {doc.get('format')!r}, expected {STAGED_FORMAT!r}")
     items = []
-    for it in doc["items"]:  # type: ignore[attr-defined]
+    for it in doc["items"]:
         chunks = it.get("chunks")
-        if chunks is None:
-            continue  # not hashed yet: no digest to verify against
-        items.append(StagedItemRecord(str(it["key"]), int(it["offset"]), int(it["nbytes"]), tuple(chunks)))
+        shape = it.get("shape")
+        items.append(
+            StagedItemRecord(
+                str(it["key"]),
+                str(it.get("kind", "tensor")),
+                int(it["offset"]),
+                int(it["nbytes"]),
+                None if chunks is None else tuple(str(c) for c in chunks),
+                it.get("dtype"),
+                None if shape is None else tuple(int(x) for x in shape),
+            )
+        )
+    dcp = doc.get("dcp")
     return StagedRecord(
-        int(doc["step"]),  # type: ignore[call-overload]
-        int(doc["rank"]),  # type: ignore[call-overload]
+        int(doc["step"]),
+        int(doc["rank"]),
         str(doc["slab"]),
-        int(doc["chunk_size"]),  # type: ignore[call-overload]
+        int(doc["chunk_size"]),
         tuple(items),
+        int(doc.get("world_size", 0)),
+        str(doc.get("job", "")),
+        float(doc.get("created", 0.0)),
+        dcp if isinstance(dcp, Mapping) else None,
     )
 
 
+def _hashed(rec: StagedRecord, dram: DramTier) -> StagedRecord:
+    """``rec`` with the digests of items the pipeline had not hashed yet, read from the slab."""
+    if all(i.chunks is not None for i in rec.items):
+        return rec
+    buf = bytearray(rec.chunk_size)
+    items = []
+    for i in rec.items:
+        if i.chunks is None:
+            chunks = []
+            for off in range(0, i.nbytes, rec.chunk_size):
+                view = memoryview(buf)[: min(rec.chunk_size, i.nbytes - off)]
+                dram.read_slab_into(rec.slab, i.offset + off, view)
+                chunks.append(digest(view))
+            i = dataclasses.replace(i, chunks=tuple(chunks))
+        items.append(i)
+    return dataclasses.replace(rec, items=tuple(items))
+
+
 def read_staged(dram: Tier) -> list[StagedRecord]:
-    """Every readable staged index on ``dram`` (a malformed one is skipped with a warning)."""
+    """Every readable staged index on ``dram`` (a malformed one is skipped with a warning).
+
+    Items staged but not hashed yet (a crash right after B1) are hashed from their slab now.
+    """
     out = []
     for path in dram.list(STAGED_DIR + "/"):
         if not path.endswith(".json"):
             continue
         try:
-            out.append(_staged_record(json.loads(dram.read(path)), f"{dram.url}/{path}"))
+            rec = _staged_record(json.loads(dram.read(path)), f"{dram.url}/{path}")
+            if isinstance(dram, DramTier):
+                rec = _hashed(rec, dram)
+            out.append(rec)
         except (ShoalError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("ignoring staged index %s/%s: %s", dram.url, path, e)
     return out
@@ -198,11 +246,57 @@ def candidates_and_sources(hosts: Iterable[HostInventory], shared: SharedInvento
                 add(d, Source(kind, inv.host, loc.pack, loc.offset, loc.length), present)
         for rec in inv.staged:
             for item in rec.items:
-                for i, d in enumerate(item.chunks):
+                for i, d in enumerate(item.chunks or ()):
                     off = i * rec.chunk_size
                     n = min(rec.chunk_size, item.nbytes - off)
                     add(d, Source("dram", inv.host, rec.slab, item.offset + off, n, slab=True), frozenset())
+    for m in staged_manifests([r for inv in hosts for r in inv.staged]):
+        if (m.step, STAGED) not in manifests:
+            candidates.append(_candidate(m, STAGED))
+            manifests[(m.step, STAGED)] = m
     return Inventory(candidates, {d: list(s) for d, s in found.items()}, manifests, gone)
+
+
+STAGED = "staged"
+"""``Candidate.origin`` of a checkpoint known only from the DRAM slabs' staged indexes."""
+
+
+def staged_manifests(records: Iterable[StagedRecord]) -> list[Manifest]:
+    """The checkpoints whose every rank's slab survives with its staged index (B1 after a crash).
+
+    A step qualifies when staged indexes of one job cover ranks ``0..world_size-1`` and the
+    coordinator's carries the DCP metadata (DCP's ``finish``: every rank had staged). Its
+    manifest is rebuilt from them (items and digests; chunk locations come from the sources).
+    """
+    by_step: dict[tuple[str, int], dict[int, StagedRecord]] = {}
+    for r in records:
+        by_step.setdefault((r.job, r.step), {})[r.rank] = r
+    out = []
+    for (job, step), ranks in sorted(by_step.items(), key=lambda kv: kv[0][1]):
+        world = max((r.world_size for r in ranks.values()), default=0)
+        coordinator = ranks.get(0)
+        if not world or set(ranks) != set(range(world)) or coordinator is None or coordinator.dcp is None:
+            continue
+        items: dict[str, ItemRecord] = {}
+        for rank, rec in sorted(ranks.items()):
+            for i in rec.items:
+                assert i.chunks is not None
+                items[i.key] = ItemRecord(i.key, rank, i.kind, i.nbytes, i.chunks, i.dtype, i.shape)
+        out.append(
+            Manifest(
+                job=job,
+                step=step,
+                created=coordinator.created,
+                chunk_size=coordinator.chunk_size,
+                items=items,
+                locations={},
+                packs={},
+                world=WorldInfo(world),
+                dcp=coordinator.dcp,
+                partial=True,
+            )
+        )
+    return out
 
 
 def describe_sources(sources: Sequence[Source]) -> str:

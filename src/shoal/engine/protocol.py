@@ -15,6 +15,7 @@ from typing import Any
 from shoal.engine.catalog import ChunkCatalog
 from shoal.engine.events import EventLog
 from shoal.engine.handle import SaveHandle
+from shoal.engine.staged import StagedIndex
 from shoal.engine.stager import Slot
 from shoal.errors import ShoalError
 from shoal.format.chunking import Hasher
@@ -22,9 +23,6 @@ from shoal.group.fabric import Fabric
 from shoal.group.planner import PlanCache
 from shoal.group.topology import Topology
 from shoal.tiers.base import Tier
-
-STAGED_DIR = "staged"
-"""Where each DRAM slot's staged index lives in the DRAM tier."""
 
 
 class GroupFailure(ShoalError, RuntimeError):
@@ -44,6 +42,8 @@ class SaveJob:
     dcp_ready: threading.Event = field(default_factory=threading.Event)
     """Set by DCP's ``finish`` (coordinator) once ``dcp`` holds the encoded metadata, or an abort."""
     aborted: str | None = None
+    staged: StagedIndex | None = None
+    """The slot's staged index, written at B1 and completed as the checkpoint goes on."""
 
 
 @dataclass(frozen=True)

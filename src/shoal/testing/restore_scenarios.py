@@ -7,8 +7,11 @@ the DRAM slabs and partial work stay as a real failure leaves them).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,6 +81,44 @@ def save_then_crash(rank: int, world: int, *, root: str) -> None:
     ckpt.save(2, state).wait(Boundary.REPLICATED, timeout=60)
     dist.barrier()  # every rank has seen B2
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def trained_state(rank: int, step: int) -> dict[str, Any]:
+    """The state of ``rank`` after ``step`` training steps (what checkpoint ``step`` holds)."""
+    state = sharded_state(rank)
+    for s in range(1, step + 1):
+        train_step(state, s)
+    return state
+
+
+def crash_at(rank: int, world: int, *, root: str, fault: str, victim: int) -> None:
+    """Step 1 commits; during step 2 the failpoint ``fault`` fires on rank ``victim`` (a kill),
+    and a few seconds later the launcher tears down every other process of the job (SIGKILL)."""
+    ckpt = Checkpointer(group_config(root, collective_timeout=5.0))
+    state = trained_state(rank, 1)
+    ckpt.save(1, state).wait(Boundary.RESTARTABLE, timeout=60)
+    train_step(state, 2)
+    dist.barrier()
+    threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGKILL)).start()  # the launcher
+    if rank == victim:
+        failpoints.configure(fault)
+    with contextlib.suppress(Exception):
+        ckpt.save(2, state).wait(timeout=30)
+    time.sleep(30)  # the launcher's kill comes first
+
+
+def restore_after_crash(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """Restart: load the newest restorable checkpoint and the committed step 1, both bit for bit."""
+    with Checkpointer(group_config(root)) as ckpt:
+        target = zeros_like_state(sharded_state(rank))
+        step = ckpt.load(target)
+        assert_state_equal(target, trained_state(rank, step))  # never torn
+        report = ckpt.last_load
+        assert report is not None
+        older = zeros_like_state(sharded_state(rank))
+        assert ckpt.load(older, step=1) == 1  # the earlier committed checkpoint is not lost
+        assert_state_equal(older, trained_state(rank, 1))
+        return {"step": step, "origin": report.origin, "by_tier": dict(report.bytes_by_tier)}
 
 
 def restore_and_resume(rank: int, world: int, *, root: str) -> dict[str, Any]:
