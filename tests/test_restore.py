@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+import shoal
 from shoal.testing import restore_scenarios as rs
 from shoal.testing.multiproc import run_ranks
 
@@ -50,6 +51,8 @@ def test_losing_the_coordinators_host_and_shared_storage_restores_from_partner_c
         assert "shared" not in r["by_tier"]
         assert r["by_tier"]["dram"] > 0 and r["by_tier"]["local"] > 0
         assert r["fabric"] > 0
+        # Healing it (saving it again) cannot reach shared storage; the job goes on regardless.
+        assert r["healed"]["error"] is not None and r["latest"] is None
 
 
 def test_after_losing_a_host_the_newest_checkpoint_on_two_hosts_wins_over_older_committed_ones(tmp_path):
@@ -60,6 +63,9 @@ def test_after_losing_a_host_the_newest_checkpoint_on_two_hosts_wins_over_older_
     for r in results:
         assert r["step"] == 2  # newer than LATEST (step 1): restored from h0's DRAM and partner copies
         assert r["origin"].endswith(":h0")
+        # Healed: saved again, it reached B4 (only what shared storage lacked was drained).
+        assert r["healed"] == {"reached": int(shoal.Boundary.RESTARTABLE), "error": None}
+        assert r["latest"] == 2
 
 
 # (failpoint, the rank it kills, the step that must load after restart). Rank 0 is the coordinator;

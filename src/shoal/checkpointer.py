@@ -136,6 +136,8 @@ class Checkpointer:
         )
         self.last_load: LoadReport | None = None
         """What the last :meth:`load` used: step, metadata origin, bytes per tier."""
+        self.last_heal: SaveHandle | None = None
+        """The save that heals the last checkpoint :meth:`load` restored, if it was uncommitted."""
         self._lock = threading.Lock()
         self._staging: dict[int, SaveJob] = {}
         self._closed = False
@@ -335,7 +337,7 @@ class Checkpointer:
             job.handle._fail(Boundary.STAGED, error)
 
     # -- load ----------------------------------------------------------------
-    def load(self, state_dict: Mapping[str, Any], step: int | None = None) -> int:
+    def load(self, state_dict: Mapping[str, Any], step: int | None = None, *, heal: bool = True) -> int:
         """Load checkpoint ``step`` (None: the newest restorable) into ``state_dict`` in place (collective).
 
         The job takes an inventory of what survives (this job's DRAM slabs, every host's
@@ -346,6 +348,12 @@ class Checkpointer:
         layout differs; non-tensor values are replaced in ``state_dict``. Every chunk is
         verified against its BLAKE3 digest; a bad copy is replaced by another. Returns the
         step loaded; :attr:`last_load` says which sources served it.
+
+        With ``heal`` (the default), a checkpoint restored that was not committed on shared
+        storage (it had reached B1, B2 or B3 only) is saved again under its step, as loaded:
+        the pipeline re-establishes two copies, drains what shared storage lacks (chunks it
+        holds are not written again) and commits it. :attr:`last_heal` is that save's handle;
+        ``load`` returns at its B1. A partial load (some items not read) is never healed.
 
         Raises:
             CheckpointNotFound: nothing restorable (or no such step); says what is missing.
@@ -376,7 +384,19 @@ class Checkpointer:
             repaired=report.repaired,
         )
         log.info("loaded %s", sources_in(report))
+        self.last_heal = None
+        if heal and not report.committed:
+            self.last_heal = self._heal(reader.step, report, target)
         return reader.step
+
+    def _heal(self, step: int, report: LoadReport, state: dict[str, Any]) -> SaveHandle | None:
+        """Save a restored, uncommitted checkpoint again so that it reaches B2..B4 (collective)."""
+        if not report.complete:
+            log.warning("step %d was loaded in part: not healing it (its copies stay as they are)", step)
+            return None
+        log.info("healing step %d (restored from %s): saving it again to reach B2..B4", step, report.origin)
+        self._events.emit("heal", step, origin=report.origin)
+        return self.save(step, state)
 
     def _begin_restore(self, step: int | None) -> Restore:
         """Collective: the inventory and the choice of checkpoint; the session that reads it."""

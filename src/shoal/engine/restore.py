@@ -23,6 +23,7 @@ A rank reads only its own host's DRAM and local tiers and the shared tier.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -65,6 +66,10 @@ class LoadReport:
     """Chunks whose first source failed verification or reading and that came from another."""
     skipped: tuple[tuple[int, str], ...] = ()
     """Newer checkpoints passed over, with why."""
+    committed: bool = False
+    """Whether the checkpoint is committed (B4) on the shared tier."""
+    complete: bool = False
+    """Whether the job read every item of the checkpoint (not a partial load)."""
 
     @property
     def shared_bytes(self) -> int:
@@ -102,6 +107,7 @@ class Restore:
         self.report: LoadReport | None = None
         self._sources: dict[str, list[Source]] = {}
         self._tried: dict[str, list[str]] = {}
+        self._complete = False
         self._stats = _Stats()
 
     @property
@@ -160,9 +166,8 @@ class Restore:
             raise e from None
         passed = [(s, f"its metadata cannot be read: {bad[s]}") for s in bad if s > choice.step]
         if passed:
-            choice = Choice(
-                choice.step, choice.origin, tuple(sorted([*choice.skipped, *passed], reverse=True))
-            )
+            merged = tuple(sorted([*choice.skipped, *passed], reverse=True))
+            choice = dataclasses.replace(choice, skipped=merged)
         for s, why in choice.skipped:
             log.warning("not restoring step %d: %s", s, why)
         self._sources = inv.sources
@@ -187,7 +192,12 @@ class Restore:
             plan = (
                 "; ".join(problems) if problems else self._guarded(lambda: self._plan([k for k, _ in needs]))
             )
+            if isinstance(plan, ReadPlan):
+                wanted = {k for keys, _ in needs for k in keys}
+                full = all(k in wanted or not rec.nbytes for k, rec in manifest.items.items())
+                plan = dataclasses.replace(plan, complete=full)
         plan = self._agree(plan)  # R4
+        self._complete = plan.complete
         # Where each digest goes in this rank's buffers.
         places: dict[str, list[memoryview]] = {}
         for key, view in dests.items():
@@ -229,6 +239,8 @@ class Restore:
             sum(s[1] for s in stats),
             sum(s[2] for s in stats),
             self.choice.skipped,
+            self.choice.committed,
+            self._complete,
         )
         return self.report
 

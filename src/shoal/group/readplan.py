@@ -74,6 +74,8 @@ class Choice:
     origin: str
     skipped: tuple[tuple[int, str], ...] = ()
     """Newer checkpoints passed over, each with why."""
+    committed: bool = False
+    """Whether the shared tier holds its commit record (B4)."""
 
 
 def _missing(c: Candidate, sources: Mapping[str, Sequence[Source]]) -> list[str]:
@@ -123,13 +125,13 @@ def choose_checkpoint(
             raise CheckpointNotFound(
                 f"checkpoint {step} cannot be restored: {_describe_missing(c, missing, gone)}"
             )
-        return Choice(step, c.origin)
+        return Choice(step, c.origin, committed=any(x.committed for x in by_step[step]))
     skipped: list[tuple[int, str]] = []
     for s in sorted(by_step, reverse=True):
         c = by_step[s][0]
         missing = _missing(c, sources)
         if not missing:
-            return Choice(s, c.origin, tuple(skipped))
+            return Choice(s, c.origin, tuple(skipped), any(x.committed for x in by_step[s]))
         skipped.append((s, _describe_missing(c, missing, gone)))
     if not skipped:
         raise CheckpointNotFound("no checkpoint found on any tier (shared, local or DRAM)")
@@ -157,6 +159,8 @@ class ReadPlan:
     """Bytes the plan reads from the shared tier (each unique byte at most once)."""
     host_bytes: Mapping[str, int] = field(default_factory=dict)
     """Bytes read per host (from its own tiers or, by its ranks, from shared storage)."""
+    complete: bool = False
+    """Set by the caller: whether the ranks' needs cover every item of the checkpoint."""
 
     def reads_at(self, rank: int) -> tuple[ChunkRead, ...]:
         return self.reads.get(rank, ())

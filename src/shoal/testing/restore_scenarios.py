@@ -131,12 +131,20 @@ def restore_and_resume(rank: int, world: int, *, root: str) -> dict[str, Any]:
         step = ckpt.load(target)
         report = ckpt.last_load
         assert_state_equal(target, expected)
+        heal = ckpt.last_heal  # the restored step, saved again to reach B2..B4
+        healed = None
+        if heal is not None:
+            with contextlib.suppress(Exception):
+                heal.wait(timeout=60)
+            healed = {"reached": int(heal.reached or 0), "error": repr(heal.error) if heal.error else None}
         for s in (3, 4):  # resumed training matches an uninterrupted run
             train_step(target, s)
             train_step(expected, s)
         assert_state_equal(target, expected)
         assert report is not None
         return {
+            "healed": healed,
+            "latest": ckpt.latest(),
             "step": step,
             "origin": report.origin,
             "by_tier": dict(report.bytes_by_tier),
