@@ -520,7 +520,7 @@ class GroupSave:
     ) -> Manifest:
         topo = self.ctx.topology
         items = {
-            i.key: ItemRecord(i.key, r.rank, i.kind, i.nbytes, i.digests, i.dtype, i.shape)
+            i.key: ItemRecord(i.key, r.rank, i.kind, i.nbytes, tuple(i.digests), i.dtype, i.shape)
             for r in reports
             for i in r.items
         }

@@ -47,7 +47,7 @@ _NBYTES = attrgetter("nbytes")
 class TupleStore:
     """Distinct items held as the reported :class:`ItemChunks` objects (the tuple form)."""
 
-    def __init__(self, items: list[ItemChunks]) -> None:
+    def __init__(self, items: Sequence[ItemChunks]) -> None:
         self.items = items
 
     def key(self, i: int) -> str:
@@ -117,7 +117,7 @@ class Holdings:
 
     def __post_init__(self) -> None:
         if self.store is None:
-            self.store = TupleStore(self.items)  # type: ignore[arg-type]
+            self.store = TupleStore(self.items)
 
     @property
     def digests(self) -> list[str]:
@@ -139,7 +139,9 @@ class _Template:
     reports: list[ItemChunks]
     """The template rank's own items."""
     keys: list[str]
-    digests: list[tuple[str, ...]]
+    digests: list[Sequence[str]]
+    """Digests per position: tuples of hex strings or :class:`~shoal.group.digests.Digests`
+    (which equal and hash like those tuples)."""
     items: np.ndarray
     """Distinct item of each position."""
 
@@ -153,7 +155,7 @@ class _Items:
     """
 
     def __init__(self) -> None:
-        self.ids: dict[tuple[str, tuple[str, ...]], int] = {}
+        self.ids: dict[tuple[str, Sequence[str]], int] = {}
         self.items: list[ItemChunks] = []
         self.origin: list[int] = []
         self.counts: list[int] = []
@@ -170,7 +172,7 @@ class _Items:
             self.hashes.append(np.fromiter(map(hash, chain.from_iterable(map(_DIGESTS, new))), np.int64, n))
             self.hashed = len(self.items)
 
-    def one(self, key: str, digests: tuple[str, ...], item: ItemChunks, template: int) -> int:
+    def one(self, key: str, digests: Sequence[str], item: ItemChunks, template: int) -> int:
         kd = (key, digests)
         i = self.ids.get(kd)
         if i is None:
@@ -184,7 +186,7 @@ class _Items:
         return i
 
     def all(
-        self, keys: list[str], digests: list[tuple[str, ...]], items: Sequence[ItemChunks], template: int
+        self, keys: list[str], digests: list[Sequence[str]], items: Sequence[ItemChunks], template: int
     ) -> list[int]:
         kds = list(zip(keys, digests, strict=True))
         n0, n = len(self.items), len(kds)
@@ -372,7 +374,6 @@ def _holders(
         sizes = np.array([len(template_items[tid]) for tid, _ in classes], dtype=np.int64)
         n_slots = np.repeat(np.array([len(x) for x in class_slots], dtype=np.int64), sizes)
         alone = n_slots == 1
-        sets: list[tuple[int, ...]] = [tuple(x) for x in class_slots if len(x) > 1]
         codes = []
         k = 0
         for x in class_slots:
@@ -383,7 +384,7 @@ def _holders(
                 codes.append(-k)
         holder = np.repeat(np.array(codes, dtype=np.int64), sizes)
         logical = int(nbytes.sum()) if alone.all() else int((nbytes * n_slots).sum())
-        return holder, sets, logical
+        return holder, [tuple(x) for x in class_slots if len(x) > 1], logical
     # Every (class, item) pair at once: the items of each class's template, less those it lacks.
     helds = [
         np.delete(template_items[tid], lacked) if lacked else template_items[tid] for tid, lacked in classes
@@ -400,12 +401,12 @@ def _holders(
     first_class[held[once]] = cid[once]
     shared: dict[int, list[int]] = {}  # item -> every class holding it, when more than one
     for item, c in zip(held[~once].tolist(), cid[~once].tolist(), strict=True):
-        cids = shared.setdefault(item, [])
-        if not cids or cids[-1] != c:
-            cids.append(c)
-    for item, cids in list(shared.items()):
-        first_class[item] = cids[0]
-        if len(cids) == 1:
+        holding = shared.setdefault(item, [])
+        if not holding or holding[-1] != c:
+            holding.append(c)
+    for item, in_order in list(shared.items()):
+        first_class[item] = in_order[0]
+        if len(in_order) == 1:
             del shared[item]
 
     sets: list[tuple[int, ...]] = []
@@ -426,8 +427,8 @@ def _holders(
     used = np.bincount(first_class[in_class], minlength=len(class_slots)) > 0
     alone_class = used & (n_slots == 1)
     class_code[alone_class] = [class_slots[c][0] for c in np.flatnonzero(alone_class).tolist()]
-    used = np.flatnonzero(used & ~alone_class).tolist()
-    class_code[used] = [code((c,), ()) for c in used]
+    several = np.flatnonzero(used & ~alone_class).tolist()
+    class_code[several] = [code((c,), ()) for c in several]
     holder = np.where(in_class, class_code[np.maximum(first_class, 0)], 0)
     # Items held outside template matches: one slot and no class is the common case (a rank's shard).
     n_extra = np.bincount(ex_item, minlength=n_items)

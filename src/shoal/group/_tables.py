@@ -131,6 +131,13 @@ def _keys(d: Digests) -> np.ndarray:
     return np.frombuffer(buf, np.uint64, 4 * len(d), at * DIGEST_SIZE)[::4]
 
 
+def _present(tables: Sequence[ChunkTable | None], slot: int) -> ChunkTable:
+    """The table of ``slot``, which reported items (a template's or an extra's)."""
+    t = tables[slot]
+    assert t is not None
+    return t
+
+
 def _head(t: ChunkTable) -> tuple[str, bytes]:
     buf, at = t.digests.buffer
     return t.keys[0], buf[at * DIGEST_SIZE : (at + 1) * DIGEST_SIZE]
@@ -281,6 +288,7 @@ def index_tables(tables: Sequence[ChunkTable | None]) -> Holdings:
     tables = list(tables)
     n_slots = len(tables)
     templates: list[int] = []  # slot of each template
+    tpl: list[ChunkTable] = []  # and its table
     classes: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     extra_slot: list[int] = []
     extra_pos: list[np.ndarray] = []
@@ -300,15 +308,16 @@ def index_tables(tables: Sequence[ChunkTable | None]) -> Holdings:
             last_layout = layout[slot] = by_keys.setdefault(t.keys, slot)
         tid, differ, head = -1, None, None
         if last >= 0:
-            tid, differ = last, _against(t, tables[templates[last]], hints, last)  # type: ignore[arg-type]
+            tid, differ = last, _against(t, tpl[last], hints, last)
             if differ is None and len(t.digests):
                 head = _head(t)
                 alt = heads.get(head, -1)
                 if alt >= 0 and alt != last:
-                    tid, differ = alt, _against(t, tables[templates[alt]], hints, alt)  # type: ignore[arg-type]
+                    tid, differ = alt, _against(t, tpl[alt], hints, alt)
         if differ is None:
             tid = len(templates)
             templates.append(slot)
+            tpl.append(t)
             if len(t.digests):
                 heads.setdefault(head if head is not None else _head(t), tid)
             classes[(tid, ())] = [slot]
@@ -323,7 +332,7 @@ def index_tables(tables: Sequence[ChunkTable | None]) -> Holdings:
         else:
             classes[(tid, ())].append(slot)
         last = tid
-    return _dedup(tables, templates, classes, extra_slot, extra_pos, extra_keys, layout)
+    return _dedup(tables, templates, tpl, classes, extra_slot, extra_pos, extra_keys, layout)
 
 
 class _Split(Sequence[np.ndarray]):
@@ -342,6 +351,7 @@ class _Split(Sequence[np.ndarray]):
 def _dedup(
     tables: list[ChunkTable | None],
     templates: list[int],
+    tpl: list[ChunkTable],
     classes: dict[tuple[int, tuple[int, ...]], list[int]],
     extra_slot: list[int],
     extra_pos: list[np.ndarray],
@@ -349,7 +359,6 @@ def _dedup(
     layout: list[int],
 ) -> Holdings:
     """Stages 2 and 3 (see the module docstring): candidate items, their chunks, distinct items."""
-    tpl: list[ChunkTable] = [tables[s] for s in templates]  # type: ignore[misc]
     n_tpl = np.array([len(t.keys) for t in tpl], dtype=np.int64)
     n_ex = np.array([len(p) for p in extra_pos], dtype=np.int64)
     n_tpl_items = int(n_tpl.sum())
@@ -363,7 +372,7 @@ def _dedup(
     pos = np.concatenate(
         [np.arange(n_tpl_items, dtype=np.int64) - np.repeat(np.cumsum(n_tpl) - n_tpl, n_tpl), *extra_pos]
     )
-    extras = [(tables[s], p) for s, p in zip(extra_slot, extra_pos, strict=True)]
+    extras = [(_present(tables, s), p) for s, p in zip(extra_slot, extra_pos, strict=True)]
 
     def column(name: str) -> np.ndarray:
         """A per-item column of the candidates: templates' whole, extras' at their positions."""
@@ -386,9 +395,10 @@ def _dedup(
     def rows(flat: np.ndarray) -> np.ndarray:
         """Full words of the chunks at ``flat``: sliced one by one (they are few)."""
         it = np.searchsorted(start, flat, side="right") - 1
-        first = [int(tables[s].starts[p]) for s, p in zip(src[it].tolist(), pos[it].tolist(), strict=True)]  # type: ignore[union-attr]
+        which = zip(src[it].tolist(), pos[it].tolist(), strict=True)
+        first = [int(_present(tables, s).starts[p]) for s, p in which]
         at = ((offset[src[it]] + np.array(first, dtype=np.int64) + flat - start[it]) * DIGEST_SIZE).tolist()
-        bufs = [tables[t].digests.buffer[0] for t in src[it].tolist()]  # type: ignore[union-attr]
+        bufs = [_present(tables, s).digests.buffer[0] for s in src[it].tolist()]
         raw = b"".join([b[x : x + DIGEST_SIZE] for b, x in zip(bufs, at, strict=True)])
         return np.frombuffer(raw, np.uint64).reshape(-1, 4)
 
@@ -415,7 +425,7 @@ def _dedup(
     store = TableStore(tables, src, pos, layout)
     d_start = np.cumsum(count) - count if merged else start
     h = Holdings(_Items(store), holder, sets, logical, count, item_bytes, d_start, None, store=store)
-    h.seen = list(tables)  # type: ignore[arg-type]
+    h.seen = [() if t is None else t for t in tables]
     places: dict[int, list[int]] = {}
     old_start = np.cumsum(column("counts")) - column("counts") if merged else start
     for g in groups:

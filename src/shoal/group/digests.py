@@ -17,6 +17,7 @@ refer to whole items of a rank's report without one Python object per item.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
@@ -132,7 +133,7 @@ class Digests(Sequence[str]):
         first = np.frombuffer(needle, np.uint64, 1)[0]
         return any(words[r].tobytes() == needle for r in np.flatnonzero(words[:, 0] == first).tolist())
 
-    def tuple(self) -> tuple[str, ...]:
+    def tuple(self) -> builtins.tuple[str, ...]:
         """The digests as a tuple of hex strings."""
         return tuple(self)
 
@@ -159,7 +160,7 @@ class Digests(Sequence[str]):
         more = ", ..." if self._count > 3 else ""
         return f"Digests({self._count}: {shown}{more})"
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> builtins.tuple[Any, ...]:
         # The buffer travels once per pickle however many views share it (the pickle memo).
         return (Digests.view, (self._buf, self._start, self._count))
 
