@@ -151,3 +151,49 @@ def restore_and_resume(rank: int, world: int, *, root: str) -> dict[str, Any]:
             "fabric": report.fabric_bytes,
             "repaired": report.repaired,
         }
+
+
+def _timed_load(ckpt: Checkpointer, target: dict[str, Any]) -> tuple[float, dict[str, int], int]:
+    dist.barrier()
+    t0 = time.perf_counter()
+    ckpt.load(target, heal=False)
+    seconds = time.perf_counter() - t0
+    report = ckpt.last_load
+    assert report is not None
+    return seconds, dict(report.bytes_by_tier), report.fabric_bytes
+
+
+def bench_restore(rank: int, world: int, *, root: str, dram: str, mib_per_rank: int) -> dict[str, Any]:
+    """Benchmark: restore a checkpoint of ``mib_per_rank`` MiB of this rank's own shards from DRAM,
+    from partner copies and from shared storage; then DCP's own save/load of the same state."""
+    import torch.distributed.checkpoint as torch_dcp
+
+    n = mib_per_rank << 18  # float32 elements
+    g = torch.Generator().manual_seed(rank)
+    state = {"shards": {f"r{rank}.t{i}": torch.randn(n // 8, generator=g) for i in range(8)}}
+    target = zeros_like_state(state)
+    cfg = group_config(root, dram=dram, chunk_size=4 << 20, dram_slots=1)
+    out: dict[str, Any] = {}
+    with Checkpointer(cfg) as ckpt:
+        ckpt.save(1, state).wait(Boundary.RESTARTABLE, timeout=600)
+        out["dram"] = _timed_load(ckpt, target)  # the slabs are still staged
+    assert_state_equal(target, state)
+    with Checkpointer(cfg) as ckpt:  # slabs given back at close: partner copies and shared storage
+        out["partner"] = _timed_load(ckpt, target)
+    dist.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(os.path.join(root, "local"), ignore_errors=True)
+    dist.barrier()
+    with Checkpointer(cfg) as ckpt:
+        out["shared"] = _timed_load(ckpt, target)
+    assert_state_equal(target, state)
+    path = os.path.join(root, "dcp-baseline")
+    torch_dcp.save(state, storage_writer=torch_dcp.FileSystemWriter(path))
+    dist.barrier()
+    t0 = time.perf_counter()
+    torch_dcp.load(target, storage_reader=torch_dcp.FileSystemReader(path))
+    out["dcp"] = (time.perf_counter() - t0, {}, 0)
+    assert_state_equal(target, state)
+    return out
