@@ -99,3 +99,10 @@ def test_a_kill_at_each_failpoint_restores_the_newest_checkpoint_that_survives_i
     run_ranks(rs.crash_at, hosts=HOSTS, kwargs=kwargs, allow_death=[0, 1, 2, 3], timeout=120)
     results = run_ranks(rs.restore_after_crash, hosts=HOSTS, kwargs={"root": root}, timeout=120)
     assert [r["step"] for r in results] == [expected] * 4  # bit-exact, and step 1 still loads (in ranks)
+
+
+def test_a_checkpoint_of_four_ranks_loads_resharded_on_two(tmp_path):
+    root = str(tmp_path)
+    run_ranks(rs.save_row_sharded, hosts=HOSTS, kwargs={"root": root})
+    results = run_ranks(rs.load_resharded, hosts=["h0", "h1"], kwargs={"root": root})
+    assert [r["step"] for r in results] == [1, 1]  # each rank checked its 32 rows and the model

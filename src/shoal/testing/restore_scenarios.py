@@ -197,3 +197,38 @@ def bench_restore(rank: int, world: int, *, root: str, dram: str, mib_per_rank: 
     out["dcp"] = (time.perf_counter() - t0, {}, 0)
     assert_state_equal(target, state)
     return out
+
+
+def save_row_sharded(rank: int, world: int, *, root: str) -> None:
+    """A DTensor sharded by rows over every rank, plus a replicated model, saved through DCP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(64 * 1000, dtype=torch.float32).reshape(64, 1000)
+    state = {"emb": distribute_tensor(full, mesh, [Shard(0)]), **model_state()}
+    with Checkpointer(group_config(root)) as ckpt:
+        ckpt.save(1, state).wait(Boundary.RESTARTABLE, timeout=60)
+
+
+def load_resharded(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """Load at another world size through ``dcp.load`` and shoal's reader: each rank its new rows."""
+    import torch.distributed.checkpoint as torch_dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from shoal import dcp as shoal_dcp
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(64 * 1000, dtype=torch.float32).reshape(64, 1000)
+    target = {
+        "emb": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]),
+        **zeros_like_state(model_state()),
+    }
+    with Checkpointer(group_config(root)) as ckpt:
+        reader = shoal_dcp.StorageReader(ckpt)
+        torch_dcp.load(target, storage_reader=reader)
+        assert torch.equal(target["emb"].to_local(), full.chunk(world)[rank])
+        assert_state_equal({"model": target["model"]}, model_state())
+        assert reader.report is not None
+        return {"step": reader.step, "by_tier": dict(reader.report.bytes_by_tier)}
