@@ -99,6 +99,10 @@ def test_a_kill_at_each_failpoint_restores_the_newest_checkpoint_that_survives_i
     run_ranks(rs.crash_at, hosts=HOSTS, kwargs=kwargs, allow_death=[0, 1, 2, 3], timeout=120)
     results = run_ranks(rs.restore_after_crash, hosts=HOSTS, kwargs={"root": root}, timeout=120)
     assert [r["step"] for r in results] == [expected] * 4  # bit-exact, and step 1 still loads (in ranks)
+    # The restarted job closed cleanly: no slab of the crashed one is left holding /dev/shm.
+    assert [
+        n for _, _, names in os.walk(os.path.join(root, "dram")) for n in names if n.endswith(".slab")
+    ] == []
 
 
 def test_a_checkpoint_of_four_ranks_loads_resharded_on_two(tmp_path):

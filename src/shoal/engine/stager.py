@@ -218,8 +218,9 @@ class SlotRing:
     def close(self, *, release_memory: bool = False) -> None:
         """Unmap every slab (the ring must not be used afterwards).
 
-        With ``release_memory`` the slab files are deleted too, returning their memory
-        to ``/dev/shm``; call it only when nothing staged is still needed (every
+        With ``release_memory`` the slab files of every slot are deleted too (those an
+        earlier process of this rank left, as well), returning their memory to
+        ``/dev/shm``; call it only when nothing staged is still needed (every
         checkpoint finished). Without it the slabs stay for a restarted process.
         """
         delete = getattr(self._dram, "delete_slab", None)
@@ -228,6 +229,6 @@ class SlotRing:
                 close = getattr(slot.slab, "close", None)
                 if close is not None:
                     close()
-                if release_memory and slot.slab is not None and delete is not None:
-                    delete(slot.name)
+                if release_memory and delete is not None:
+                    delete(slot.name)  # also a slab an earlier process of this rank left behind
                 slot.slab = None
