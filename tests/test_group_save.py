@@ -10,6 +10,8 @@ from shoal.testing.checkpoints import make_config
 from shoal.testing.multiproc import run_ranks
 
 HOSTS = ["h0", "h0", "h1", "h1"]
+# Several processes on 2 cores: generous limits, so a busy machine is not a failure.
+pytestmark = pytest.mark.timeout(300)
 CHUNK = 64 << 10
 
 
