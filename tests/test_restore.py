@@ -23,6 +23,7 @@ def test_n_ranks_loading_one_model_read_each_unique_byte_from_shared_storage_onc
     assert first["by_tier"] == {"shared": first["unique_bytes"]}  # each unique byte read once, job-wide
     # Every rank needs every chunk; each was read by one rank and sent to the three others.
     assert first["fabric"] == 3 * first["unique_bytes"]
+    assert first["broadcast"] == first["fabric"]  # each chunk broadcast by its reader to the other three
     assert all(r["by_tier"] == first["by_tier"] for r in results)
 
 

@@ -70,6 +70,8 @@ class LoadReport:
     """Whether the checkpoint is committed (B4) on the shared tier."""
     complete: bool = False
     """Whether the job read every item of the checkpoint (not a partial load)."""
+    broadcast_bytes: int = 0
+    """Of ``fabric_bytes``, those received by broadcast (chunks every rank needed)."""
 
     @property
     def shared_bytes(self) -> int:
@@ -80,6 +82,7 @@ class LoadReport:
 class _Stats:
     by_tier: dict[str, int] = field(default_factory=dict)
     fabric: int = 0
+    broadcast: int = 0
     repaired: int = 0
 
 
@@ -223,7 +226,7 @@ class Restore:
             raise RestoreFailed(f"step {manifest.step}: chunks still failing after {_MAX_ROUNDS} rounds")
         error = self._exchange(reader_of, places, held)
         stats = ctx.fabric.all_gather(
-            (self._stats.by_tier, self._stats.fabric, self._stats.repaired, error)
+            (self._stats.by_tier, self._stats.fabric, self._stats.repaired, error, self._stats.broadcast)
         )  # R7
         errors = [f"rank {r}: {s[3]}" for r, s in enumerate(stats) if s[3]]
         if errors:
@@ -241,6 +244,7 @@ class Restore:
             self.choice.skipped,
             self.choice.committed,
             self._complete,
+            sum(s[4] for s in stats),
         )
         return self.report
 
@@ -381,6 +385,32 @@ class Restore:
         return failed
 
     # -- the exchange ------------------------------------------------------------------------
+    def _broadcasts(
+        self,
+        chunks: list[tuple[int, str]],
+        places: Mapping[str, list[memoryview]],
+        held: dict[str, memoryview],
+    ) -> str | None:
+        """Broadcast each ``(reader, digest)`` from its reader; verify and place it elsewhere."""
+        if not chunks:
+            return None
+        size = max(places[d][0].nbytes for _, d in chunks)
+        scratch = bytearray(size)
+        error: str | None = None
+        for src, d in chunks:
+            view = self.ctx.fabric.broadcast_chunk(src, held.get(d), scratch, places[d][0].nbytes)
+            if src == self.rank or error is not None:
+                continue
+            actual = digest(view)
+            if actual != d:
+                error = f"chunk {d} arrived by broadcast from rank {src} with BLAKE3 {actual}"
+                continue
+            for p in places[d]:
+                p[:] = view
+            self._stats.fabric += view.nbytes
+            self._stats.broadcast += view.nbytes
+        return error
+
     def _exchange(
         self,
         reader_of: Mapping[str, int],
@@ -398,12 +428,21 @@ class Restore:
         manifest = self.manifest
         assert manifest is not None
         needs_all = ctx.fabric.all_gather(sorted(places))
+        wanted: dict[str, int] = {}
+        for digests in needs_all:
+            for d in digests:
+                wanted[d] = wanted.get(d, 0) + 1
+        world = ctx.fabric.world_size
+        # Chunks every rank needs travel by broadcast, in an order every rank computes alike.
+        everyone = sorted((reader_of[d], d) for d, n in wanted.items() if n == world and world > 2)
+        error = self._broadcasts(everyone, places, held)
+        broadcast = {d for _, d in everyone}
         sends: dict[int, list[str]] = {}
         receives: dict[int, list[str]] = {}
         for rank, digests in enumerate(needs_all):
             for d in digests:
                 src = reader_of[d]
-                if src == rank:
+                if src == rank or d in broadcast:
                     continue
                 if src == self.rank:
                     sends.setdefault(rank, []).append(d)
@@ -415,7 +454,6 @@ class Restore:
         order = sorted(receives.items())
         stream = ctx.fabric.receive([(src, [places[d][0].nbytes for d in ds]) for src, ds in order], scratch)
         expected = [d for _, ds in order for d in ds]
-        error: str | None = None
         for d, view in zip(expected, stream, strict=True):
             if error is not None:
                 continue  # keep receiving, so the senders can finish

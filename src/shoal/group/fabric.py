@@ -96,6 +96,24 @@ class Fabric:
                 dist.recv(buf, src=src, group=self.group)
                 yield memoryview(scratch)[:n]
 
+    def broadcast_chunk(
+        self, src: int, view: memoryview | None, scratch: bytearray, nbytes: int
+    ) -> memoryview:
+        """Collective: rank ``src`` sends ``view`` (``nbytes``) to every rank; the others receive it
+        into ``scratch`` and get a view of it (valid until the next call). One chunk, one call:
+        for bytes every rank needs (N replicas loading one model), where the backend can do
+        better than N-1 point-to-point sends."""
+        if self.group is None:
+            assert view is not None
+            return view
+        if self.rank == src:
+            assert view is not None and view.nbytes == nbytes
+            dist.broadcast(torch.frombuffer(view, dtype=torch.uint8), src=src, group=self.group)
+            return view
+        buf = torch.frombuffer(scratch, dtype=torch.uint8, count=nbytes)
+        dist.broadcast(buf, src=src, group=self.group)
+        return memoryview(scratch)[:nbytes]
+
     @staticmethod
     def wait_all(works: Sequence[Any]) -> None:
         """Wait for posted sends (not collective)."""
