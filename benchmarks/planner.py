@@ -12,9 +12,10 @@ first checkpoint). Workloads:
 How the reports are built matters, and is not timed:
 
 * ``compact`` (the default): each rank's report is a :class:`~shoal.group.plan.ChunkTable`
-  (keys and sizes per item, every digest as 32 raw bytes in one buffer), unpickled from its own
-  bytes, as the group save's exchange delivers it (``ReportItem.digests`` are views of one
-  buffer per rank, which the coordinator hands the planner as a table);
+  (keys and sizes per item, every digest as 32 raw bytes in one buffer, and the digests' 8-byte
+  prefixes the rank made), unpickled from its own bytes, as the group save's exchange delivers
+  it (``ReportItem.digests`` are views of one buffer per rank and ``RankReport.prefixes`` its
+  prefixes, which the coordinator hands the planner as a table);
 * ``interned``: each rank has its own report objects and tuples, but equal strings (digests,
   keys) are one object, as when the exchange interns them;
 * ``unpickled``: each rank's report is unpickled from its own bytes, as ``gather_object``
@@ -60,6 +61,12 @@ def _digests(n: int) -> list[str]:
     return [raw[i : i + 64] for i in range(0, 64 * n, 64)]
 
 
+def _sent(table: ChunkTable) -> ChunkTable:
+    """``table`` through a pickle with the prefixes its rank made, as the exchange delivers a report."""
+    t, prefix = pickle.loads(pickle.dumps((table, table.digests.prefixes())))
+    return ChunkTable.uniform(t.keys, t.nbytes, CHUNK, t.digests, prefix)
+
+
 def build_compact(workload: str, n_ranks: int, args: argparse.Namespace) -> list[RankChunks]:
     """Every rank's report as a table, unpickled from its own bytes (as the exchange delivers it)."""
     shared = {"dp": args.chunks, "dp+zero": args.shared, "unique": 0}[workload]
@@ -76,7 +83,7 @@ def build_compact(workload: str, n_ranks: int, args: argparse.Namespace) -> list
     ranks = []
     for r in range(n_ranks):
         table = ChunkTable.uniform(k1 + k2, n1 + n2, CHUNK, Digests(common + os.urandom(32 * n_own)))
-        ranks.append(RankChunks(r, f"host{r // args.ranks_per_host}", pickle.loads(pickle.dumps(table))))
+        ranks.append(RankChunks(r, f"host{r // args.ranks_per_host}", _sent(table)))
     return ranks
 
 
@@ -104,7 +111,11 @@ def build(workload: str, n_ranks: int, args: argparse.Namespace) -> list[RankChu
 
 def copied_compact(ranks: list[RankChunks]) -> list[RankChunks]:
     """Equal compact reports in new objects (the next checkpoint's exchange)."""
-    return [RankChunks(rc.rank, rc.host, pickle.loads(pickle.dumps(rc.items))) for rc in ranks]
+    out = []
+    for rc in ranks:
+        assert isinstance(rc.items, ChunkTable)
+        out.append(RankChunks(rc.rank, rc.host, _sent(rc.items)))
+    return out
 
 
 def unpickled(ranks: list[RankChunks]) -> list[RankChunks]:

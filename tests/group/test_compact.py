@@ -243,3 +243,63 @@ def test_plan_cache_on_compact_reports() -> None:
     )
     assert cache.lookup_or_plan(4, ranks, set(), topo) == replace(plan_group_save(4, ranks, set(), topo))
     assert cache.misses == 3, "tuple reports after compact ones: planned again"
+
+
+# -- Digest prefixes (the planner's sort keys) ----------------------------------------------------
+
+
+def test_a_table_takes_the_prefixes_its_rank_made() -> None:
+    d = Digests.from_hex([_d(i) for i in range(5)])
+    prefix = d.prefixes()
+    assert len(prefix) == 8 * 5 and prefix[8:16] == bytes.fromhex(_d(1))[:8]
+    t = ChunkTable.uniform(["a", "b"], [30, 20], 10, d, prefix)
+    assert t.prefix.tolist() == ChunkTable.uniform(["a", "b"], [30, 20], 10, d).prefix.tolist()
+    assert t.prefix.dtype.name == "uint64" and not t.prefix.flags.writeable
+    with pytest.raises(ValueError, match="a prefix of 32 bytes for 5 digests"):
+        ChunkTable.uniform(["a", "b"], [30, 20], 10, d, prefix[:32])
+    with pytest.raises(ValueError, match="prefix 4 is not"):
+        ChunkTable.uniform(["a", "b"], [30, 20], 10, d, prefix[:32] + bytes(8))
+    again = pickle.loads(pickle.dumps(t))
+    assert again == t and again._prefix is None, "plans refer to tables: the prefixes stay home"
+
+
+def test_prefixes_that_lie_merge_nothing() -> None:
+    """Ranks whose prefixes all claim one key (checked only at both ends) still get each distinct
+    digest drained once: a shared key is a candidate, equal means all 32 bytes equal."""
+    hexes = [_d(i) for i in range(12)]
+    lengths = dict.fromkeys(hexes, 10)
+    ranks = [
+        RankChunks(
+            r,
+            f"h{r}",
+            (_item(f"x{r}", [4 * r, 4 * r + 1], lengths), _item("z", [4 * r + 2, 4 * r + 3], lengths)),
+        )
+        for r in range(3)
+    ]
+    forged = []
+    for rc in ranks:
+        t = ChunkTable.from_items(rc.items)
+        real = t.digests.prefixes()
+        lie = real[:8] + real[:8] * 2 + real[-8:]  # the middle two claim the first one's key
+        forged.append(RankChunks(rc.rank, rc.host, ChunkTable.uniform(t.keys, t.nbytes, 10, t.digests, lie)))
+    topo = build_topology([rc.host for rc in ranks])
+    plan = plan_group_save(0, forged, set(), topo)
+    assert chunks_of(plan) == chunks_of(plan_group_save(0, ranks, set(), topo))
+    assert sorted(c.digest for d in plan.drains for c in d.chunks) == sorted(hexes)
+
+
+def test_tables_of_several_chunk_sizes_plan_like_tuples() -> None:
+    """Chunk counts follow each table's own chunk size (none shared by all)."""
+    hexes = [_d(i) for i in range(40)]
+    ranks, total = [], 0
+    for r, size in enumerate((10, 10, 25, 7)):
+        n = 3 + r
+        d = Digests.from_hex(hexes[10 * r : 10 * r + n])
+        nbytes = size * (n - 1) + 1
+        total += nbytes
+        ranks.append(RankChunks(r, f"h{r}", ChunkTable.uniform([f"w{r}"], [nbytes], size, d)))
+    tuples = [RankChunks(rc.rank, rc.host, tuple(rc.items)) for rc in ranks]
+    topo = build_topology([rc.host for rc in ranks])
+    plan = plan_group_save(0, ranks, set(), topo)
+    assert chunks_of(plan) == chunks_of(plan_group_save(0, tuples, set(), topo))
+    assert plan.unique_bytes == total

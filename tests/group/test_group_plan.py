@@ -275,6 +275,10 @@ def test_planner_rejects_inconsistent_reports() -> None:
         plan_group_save(0, [RankChunks(0, "h0", ()), RankChunks(0, "h0", ())], set(), topo)
     with pytest.raises(ConfigError, match="job has 2 ranks"):
         plan_group_save(0, [RankChunks(2, "h0", ())], set(), topo)
+    with pytest.raises(ConfigError, match="rank -1 reported chunks, but the job has 2 ranks"):
+        plan_group_save(0, [RankChunks(-1, "h0", ()), RankChunks(0, "h0", ())], set(), topo)
+    with pytest.raises(ConfigError, match="rank 1 reports host 'h2'.*'h1'"):
+        plan_group_save(0, [RankChunks(1, "h2", ()), RankChunks(0, "h0", ())], set(), topo)
     with pytest.raises(ConfigError, match="partners"):
         plan_group_save(0, [], set(), build_topology(["h0", "h1"], replicate=False))
     bad = ItemChunks("w", 10, (_d(0),), (10, 10))

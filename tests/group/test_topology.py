@@ -24,6 +24,12 @@ def test_ring_partners_the_next_host() -> None:
     assert dict(topo.domains) == {h: h for h in topo.hosts}
 
 
+def test_partner_ranks_are_every_ranks_partner_rank() -> None:
+    topo = build_topology(_hosts(3, 2) + ["h3"])
+    assert topo.partner_ranks == tuple(topo.partner_rank(r) for r in range(topo.world_size))
+    assert build_topology(_hosts(2), replicate=False).partner_ranks == ()
+
+
 def test_jump_partners_the_host_half_way_round() -> None:
     assert dict(build_topology(_hosts(4), scheme="jump").partners) == {
         "h0": "h2",

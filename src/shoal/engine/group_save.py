@@ -193,7 +193,7 @@ class GroupSave:
             nbytes = sum(s.nbytes for s in self.job.slot.items)
             ctx.events.emit("hashed", self.step, bytes=nbytes, seconds=time.perf_counter() - t0)
             self._write_staged_index(items)
-            return RankReport(ctx.rank, ctx.host, items, held)
+            return RankReport(ctx.rank, ctx.host, items, held, prefixes=every.prefixes())
         except Exception as e:
             return RankReport(ctx.rank, ctx.host, (), held, self._local("hash", e))
 
@@ -225,7 +225,8 @@ class GroupSave:
             ctx.shared_catalog = ChunkCatalog.scan(ctx.shared)
         if not self._reused_packs_present(reports, ctx.shared_catalog):
             ctx.shared_catalog = ChunkCatalog.scan(ctx.shared)
-        # Compact planner input: per rank, its items as columns over the rank's digest buffer.
+        # Compact planner input: per rank, its items as columns over the rank's digest buffer,
+        # with the digest prefixes the rank made (the planner's sort keys).
         ranks = [
             RankChunks(
                 r.rank,
@@ -235,6 +236,7 @@ class GroupSave:
                     [i.nbytes for i in r.items],
                     ctx.chunk_size,
                     Digests.join([i.digests for i in r.items]),
+                    r.prefixes,
                 ),
             )
             for r in reports

@@ -73,6 +73,10 @@ class RankReport:
     items: tuple[ReportItem, ...]
     held: frozenset[str] | None = None
     error: str | None = None
+    prefixes: bytes | None = None
+    """The first 8 bytes of every digest of ``items``, item after item
+    (:meth:`~shoal.group.digests.Digests.prefixes`): the planner's sort keys, made here on every
+    rank so that the coordinator does not gather them from millions of digests."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shoal.group._holdings import Holdings
+from shoal.group._holdings import Holdings, at_items
 from shoal.group.plan import ChunkRuns, DrainAssignment, Transfer
 
 
@@ -144,7 +144,7 @@ def owners(h: Holdings, w: Work, hosts: Hosts, info: SetInfos) -> np.ndarray:
     owner[single] = w.holder[single]
     # Float sums of integer byte counts are exact below 2**53 (8 PiB per rank).
     load = np.zeros(n_slots)
-    load += np.bincount(h.holder[solo], weights=h.nbytes[solo], minlength=n_slots)
+    load += np.bincount(at_items(h.holder, solo), weights=at_items(h.nbytes, solo), minlength=n_slots)
     load += np.bincount(w.holder[single], weights=w.length[single], minlength=n_slots)
     slot_load = np.rint(load).astype(np.int64)
     multi = np.flatnonzero(~w.durable & (w.holder < 0))
@@ -284,13 +284,14 @@ def _chunk_counts(
     n_slots: int,
     cache: dict[int, np.ndarray] | None = None,
 ) -> np.ndarray:
-    """Chunks per slot: of the whole items ``whole`` (by holder) and one per ``part_slots``.
+    """Chunks per slot: of the whole items ``whole`` (distinct, ascending; by holder) and one per
+    ``part_slots``.
 
     ``cache`` keeps the whole items' counts by the identity of ``whole`` (drains and transfers
     of the same solo items count them once)."""
     counts = cache.get(id(whole)) if cache is not None else None
     if counts is None:
-        counts = np.bincount(h.holder[whole], weights=h.count[whole], minlength=n_slots)
+        counts = np.bincount(at_items(h.holder, whole), weights=at_items(h.count, whole), minlength=n_slots)
         if cache is not None:
             cache[id(whole)] = counts
     return np.rint(counts + np.bincount(part_slots, minlength=n_slots)).astype(np.int64)
@@ -300,8 +301,9 @@ def drains(h: Holdings, w: Work, hosts: Hosts, owner: np.ndarray) -> Drained:
     solo = w.solo_items
     new = np.flatnonzero(owner >= 0)
     item, index = _located(h, w, new, owner[new])
-    runs = _runs(h, solo, h.holder[solo], owner[new], item, index)
-    out = [DrainAssignment(hosts.ranks[slot], hosts.names[int(hosts.slot_host[slot])], r) for slot, r in runs]
+    runs = _runs(h, solo, at_items(h.holder, solo), owner[new], item, index)
+    ranks, names, slot_host = hosts.ranks, hosts.names, hosts.slot_host.tolist()
+    out = [DrainAssignment(ranks[slot], names[slot_host[slot]], r) for slot, r in runs]
     return Drained(out, dict(runs), _chunk_counts(h, w.solo_items, owner[new], len(hosts.ranks), w.counted))
 
 
@@ -326,7 +328,7 @@ def replicas(
     one_domain = w.holder >= 0
     one_domain[~one_domain] = info.column(-1 - w.holder[~one_domain], lambda s: s.domains) == 1
     chunks = np.flatnonzero(~w.durable & one_domain)
-    n_solo_chunks = int(h.count[solo].sum())
+    n_solo_chunks = int(at_items(h.count, solo).sum())
     covered = np.zeros(n_solo_chunks + len(chunks), dtype=bool)
     if not held or all(is_empty(c) for c in held.values()):
         return Replicas(solo, chunks, covered)
@@ -367,7 +369,7 @@ def transfers(
     partner: Sequence[int],
     drained: Drained,
 ) -> list[Transfer]:
-    n_solo_chunks = int(h.count[r.solo].sum())
+    n_solo_chunks = int(at_items(h.count, r.solo).sum())
     whole = r.solo
     part_slots, part_items, part_index = [], [], []
     if r.covered[:n_solo_chunks].any():
@@ -392,12 +394,12 @@ def transfers(
     # A slot that sends everything it drains sends the same runs: share the object (and its pickle).
     sent = _chunk_counts(h, whole, p_slots, len(hosts.ranks), w.counted)
     same = (sent == drained.chunks) & (sent > 0)
-    w_keep, p_keep = ~same[h.holder[whole]], ~same[p_slots]
-    built = _runs(
-        h, whole[w_keep], h.holder[whole[w_keep]], p_slots[p_keep], p_items[p_keep], p_index[p_keep]
-    )
+    whole_holder = at_items(h.holder, whole)
+    w_keep, p_keep = ~same[whole_holder], ~same[p_slots]
+    built = _runs(h, whole[w_keep], whole_holder[w_keep], p_slots[p_keep], p_items[p_keep], p_index[p_keep])
     shared = [(slot, drained.runs[slot]) for slot in np.flatnonzero(same).tolist()]
-    return [Transfer(hosts.ranks[slot], partner[slot], rs) for slot, rs in sorted(built + shared, key=_first)]
+    runs = sorted(built + shared, key=_first) if built else shared
+    return [Transfer(hosts.ranks[slot], partner[slot], rs) for slot, rs in runs]
 
 
 def _first(pair: tuple[int, ChunkRuns]) -> int:
@@ -422,4 +424,4 @@ def plan_parts(
 
 
 def unique_bytes(h: Holdings, w: Work) -> int:
-    return int(h.nbytes[w.solo].sum()) + int(w.length.sum())
+    return int(at_items(h.nbytes, w.solo_items).sum()) + int(w.length.sum())

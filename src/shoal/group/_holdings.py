@@ -204,6 +204,12 @@ class _Items:
         return [self.one(k, d, it, template) for (k, d), it in zip(kds, items, strict=True)]
 
 
+def at_items(column: np.ndarray, items: np.ndarray) -> np.ndarray:
+    """``column[items]`` for ``items`` distinct and ascending: ``column`` itself (no gather) when
+    they are every item (a fully sharded job's solo items)."""
+    return column if len(items) == len(column) else column[items]
+
+
 def _mismatch(item: ItemChunks) -> ValueError:
     return ValueError(
         f"item {item.key!r}: {len(item.digests)} chunk digests but {len(item.lengths)} chunk lengths"
@@ -339,16 +345,50 @@ def same_reports(h: Holdings, reports: Sequence[Sequence[ItemChunks]]) -> bool:
     return True
 
 
+class Split(Sequence[np.ndarray]):
+    """``values`` cut at ``bounds``: part ``i`` is ``values[bounds[i]:bounds[i + 1]]`` (a view).
+
+    The distinct items of every template, back to back: read whole (:meth:`joined`) without
+    one array per template.
+    """
+
+    def __init__(self, values: np.ndarray, bounds: np.ndarray) -> None:
+        self._values, self._bounds = values, bounds
+
+    def __len__(self) -> int:
+        return len(self._bounds) - 1
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._values[self._bounds[i] : self._bounds[i + 1]]
+
+    def joined(self) -> np.ndarray:
+        """Every part, back to back."""
+        return self._values[self._bounds[0] : self._bounds[-1]]
+
+    def sizes(self) -> np.ndarray:
+        """The length of each part."""
+        return np.diff(self._bounds)
+
+
+def _joined(template_items: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The items of every template, back to back, and how many each has."""
+    if isinstance(template_items, Split):
+        return template_items.joined(), template_items.sizes()
+    sizes = np.fromiter(map(len, template_items), np.int64, len(template_items))
+    return np.concatenate([np.zeros(0, dtype=np.int64), *template_items]), sizes
+
+
 def _one_class_each(
     template_items: Sequence[np.ndarray], classes: dict[tuple[int, tuple[int, ...]], list[int]], n_items: int
-) -> bool:
-    """Whether the classes are the templates in order, each whole, and hold items 0, 1, ... once."""
+) -> np.ndarray | None:
+    """Whether the classes are the templates in order, each whole, and hold items 0, 1, ... once:
+    then the number of items of each class, else None."""
     if len(classes) != len(template_items):
-        return False
+        return None
     if any(tid != i or lacked for i, (tid, lacked) in enumerate(classes)):
-        return False
-    held = np.concatenate([np.zeros(0, dtype=np.int64), *template_items])
-    return len(held) == n_items and bool((held == np.arange(n_items)).all())
+        return None
+    held, sizes = _joined(template_items)
+    return sizes if len(held) == n_items and bool((held == np.arange(n_items)).all()) else None
 
 
 def _holders(
@@ -369,11 +409,10 @@ def _holders(
     ex_item, ex_slot = np.array(extra_item, dtype=np.int64), np.array(extra_slot, dtype=np.int64)
     if not len(ex_item) and len(classes) == len(template_items) == n_items == 0:
         return np.zeros(0, dtype=np.int64), [], 0
-    if not len(ex_item) and _one_class_each(template_items, classes, n_items):
+    sizes = None if len(ex_item) else _one_class_each(template_items, classes, n_items)
+    if sizes is not None:
         # Every item held by one class only (a fully sharded job): no per-class numpy.
-        sizes = np.array([len(template_items[tid]) for tid, _ in classes], dtype=np.int64)
-        n_slots = np.repeat(np.array([len(x) for x in class_slots], dtype=np.int64), sizes)
-        alone = n_slots == 1
+        per_class = np.fromiter(map(len, class_slots), np.int64, len(class_slots))
         codes = []
         k = 0
         for x in class_slots:
@@ -383,7 +422,8 @@ def _holders(
                 k += 1
                 codes.append(-k)
         holder = np.repeat(np.array(codes, dtype=np.int64), sizes)
-        logical = int(nbytes.sum()) if alone.all() else int((nbytes * n_slots).sum())
+        alone = bool((per_class == 1).all())
+        logical = int(nbytes.sum()) if alone else int((nbytes * np.repeat(per_class, sizes)).sum())
         return holder, [tuple(x) for x in class_slots if len(x) > 1], logical
     # Every (class, item) pair at once: the items of each class's template, less those it lacks.
     helds = [

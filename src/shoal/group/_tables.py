@@ -12,7 +12,9 @@ makes a Python object per chunk, and per item only where items differ from their
    matches less than half of its template tries the template whose first digest and key it
    shares (tensor-parallel shards alternate templates), and otherwise becomes a template.
 2. **Chunks.** The digests of every template item and every extra are keyed by their first 64
-   bits (BLAKE3 output is uniform) and sorted (``np.sort``, not ``argsort``). Keys seen once
+   bits (BLAKE3 output is uniform), read from the tables' prefix columns (which the ranks make:
+   one contiguous array per rank, not a gather from every digest), and sorted in place
+   (``np.sort``, not ``argsort``). Keys seen once
    are digests seen once; only the positions of repeated keys are found again (a bitmap, then
    ``np.isin`` on the few hits) and grouped by their full 32 bytes. Equal means all 32 bytes
    equal: a shared key alone merges nothing.
@@ -34,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from shoal.group._holdings import Holdings, _holders, duplicates_at
+from shoal.group._holdings import Holdings, Split, _holders, at_items, duplicates_at
 from shoal.group.digests import DIGEST_SIZE, Digests, ItemDigests, ItemLengths
 from shoal.group.plan import ChunkRuns, ChunkTable, ItemChunks
 
@@ -77,18 +79,20 @@ class _Hint:
         )
 
 
-def _against(t: ChunkTable, u: ChunkTable, hints: dict[int, _Hint], tid: int) -> np.ndarray | None:
+def _against(
+    t: ChunkTable, u: ChunkTable, same_keys: bool, hints: dict[int, _Hint], tid: int
+) -> np.ndarray | None:
     """Positions where ``t``'s items differ from template ``u``'s (number ``tid``); None: compare
-    with another template.
+    with another template. ``same_keys``: whether the two have equal keys (known from the layouts).
 
     Equal buffers, keys and counts are a replica (no numpy). A rank that differs where the last
     one did (``hints``: a ZeRO shard in the same items) is confirmed by comparing byte ranges.
     Otherwise a few sampled digests must agree before numpy compares the buffers digest by digest.
     """
-    n, m = len(t.keys), len(t.digests)
+    n, m = len(t.keys), t.n_chunks
     if t is u:
         return _NONE
-    if n != len(u.keys) or m != len(u.digests):
+    if n != len(u.keys) or m != u.n_chunks:
         return None
     tb, ta = t.digests.buffer
     ub, ua = u.digests.buffer
@@ -105,7 +109,6 @@ def _against(t: ChunkTable, u: ChunkTable, hints: dict[int, _Hint], tid: int) ->
             return None
     if t.counts.tobytes() != u.counts.tobytes():
         return None
-    same_keys = t.keys == u.keys
     if equal and same_keys:
         return _NONE
     hint = hints.get(tid)
@@ -123,12 +126,6 @@ def _against(t: ChunkTable, u: ChunkTable, hints: dict[int, _Hint], tid: int) ->
     if len(differ):
         hints[tid] = _Hint(u, differ)
     return differ
-
-
-def _keys(d: Digests) -> np.ndarray:
-    """The first 64 bits of each digest (a strided view of the buffer, no copy)."""
-    buf, at = d.buffer
-    return np.frombuffer(buf, np.uint64, 4 * len(d), at * DIGEST_SIZE)[::4]
 
 
 def _present(tables: Sequence[ChunkTable | None], slot: int) -> ChunkTable:
@@ -199,16 +196,18 @@ class TableStore:
         n_slots = len(self.tables)
         per_slot = np.bincount(slots, minlength=n_slots)
         ok = per_slot > 0
-        ok[slots[self.src[whole] != slots]] = False
+        ok[slots[at_items(self.src, whole) != slots]] = False
         ok[busy] = False
         if not ok.any():
             return [], np.ones(len(whole), dtype=bool)
         sizes = np.array([0 if t is None else len(t.keys) for t in self.tables], dtype=np.int64)
         every = ok & (per_slot == sizes)
         out = []
+        tables, layout, orders = self.tables, self.layout, self._orders
         for slot in np.flatnonzero(every).tolist():
-            order, keys, starts = self._order(slot)
-            t = self.tables[slot]
+            got = orders.get(layout[slot])
+            order, keys, starts = got if got is not None else self._order(slot)
+            t = tables[slot]
             out.append((slot, ChunkRuns(keys, starts, ItemDigests(t, order), ItemLengths(t, order))))
         some = ok & ~every
         if some.any():
@@ -232,13 +231,13 @@ def _slot(pair: tuple[int, ChunkRuns]) -> int:
     return pair[0]
 
 
-def _equal_chunks(keys: Any, rows: Any) -> list[np.ndarray]:
+def _equal_chunks(new_keys: Any, rows: Any) -> list[np.ndarray]:
     """Groups (two or more, ascending) of positions whose digests are equal, all 32 bytes.
 
-    ``keys()``: a new array of the first 64 bits of each digest (sorted in place: called
+    ``new_keys()``: a new array of the first 64 bits of each digest (sorted in place, and made
     again when some repeat); ``rows(positions)``: their full words.
     """
-    s = keys()
+    s = new_keys()
     if len(s) < 2:
         return []
     s.sort()
@@ -246,8 +245,8 @@ def _equal_chunks(keys: Any, rows: Any) -> list[np.ndarray]:
     if not same.any():
         return []  # every key differs, so every digest does
     dup = np.unique(s[1:][same])
-    del s
-    keys = keys()
+    del s, same
+    keys = new_keys()
     if len(keys) > 1 << 20 and len(dup) < 1 << 20:
         bitmap = np.zeros(1 << 24, dtype=bool)
         bitmap[dup >> np.uint64(40)] = True
@@ -292,33 +291,37 @@ def index_tables(tables: Sequence[ChunkTable | None]) -> Holdings:
     classes: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     extra_slot: list[int] = []
     extra_pos: list[np.ndarray] = []
-    extra_keys: list[np.ndarray] = []  # the first 64 bits of the extras' digests
+    extra_keys: list[np.ndarray] = []  # the prefixes of the extras' digests
     heads: dict[tuple[str, bytes], int] = {}
     hints: dict[int, _Hint] = {}
-    layout = [-1] * n_slots
+    layout = [-1] * n_slots  # per slot, the first slot with equal keys: equal layouts, equal keys
+    tpl_layout: list[int] = []  # and per template
     by_keys: dict[tuple[str, ...], int] = {}
     last = last_layout = -1
+    last_keys: tuple[str, ...] = ()
     for slot, t in enumerate(tables):
-        if t is None or not len(t):
+        if t is None or not t.keys:
             continue
-        lt = tables[last_layout] if last_layout >= 0 else None
-        if lt is not None and (t.keys is lt.keys or t.keys == lt.keys):
-            layout[slot] = last_layout
+        keys = t.keys
+        if keys is last_keys or keys == last_keys:
+            lid = layout[slot] = last_layout
         else:
-            last_layout = layout[slot] = by_keys.setdefault(t.keys, slot)
+            lid = last_layout = layout[slot] = by_keys.setdefault(keys, slot)
+            last_keys = keys
         tid, differ, head = -1, None, None
         if last >= 0:
-            tid, differ = last, _against(t, tpl[last], hints, last)
-            if differ is None and len(t.digests):
+            tid, differ = last, _against(t, tpl[last], lid == tpl_layout[last], hints, last)
+            if differ is None and t.n_chunks:
                 head = _head(t)
                 alt = heads.get(head, -1)
                 if alt >= 0 and alt != last:
-                    tid, differ = alt, _against(t, tpl[alt], hints, alt)
+                    tid, differ = alt, _against(t, tpl[alt], lid == tpl_layout[alt], hints, alt)
         if differ is None:
             tid = len(templates)
             templates.append(slot)
             tpl.append(t)
-            if len(t.digests):
+            tpl_layout.append(lid)
+            if t.n_chunks:
                 heads.setdefault(head if head is not None else _head(t), tid)
             classes[(tid, ())] = [slot]
         elif len(differ):
@@ -327,25 +330,12 @@ def index_tables(tables: Sequence[ChunkTable | None]) -> Holdings:
             classes.setdefault((tid, hint.lacked), []).append(slot)
             extra_slot.append(slot)
             extra_pos.append(differ)
-            k = _keys(t.digests)
+            k = t.prefix
             extra_keys.append(np.concatenate([k[a:b] for a, b in hint.spans]))
         else:
             classes[(tid, ())].append(slot)
         last = tid
     return _dedup(tables, templates, tpl, classes, extra_slot, extra_pos, extra_keys, layout)
-
-
-class _Split(Sequence[np.ndarray]):
-    """``values`` cut at ``bounds``: part ``i`` is ``values[bounds[i]:bounds[i + 1]]`` (a view)."""
-
-    def __init__(self, values: np.ndarray, bounds: list[int]) -> None:
-        self._values, self._bounds = values, bounds
-
-    def __len__(self) -> int:
-        return len(self._bounds) - 1
-
-    def __getitem__(self, i: Any) -> Any:
-        return self._values[self._bounds[i] : self._bounds[i + 1]]
 
 
 def _dedup(
@@ -379,38 +369,43 @@ def _dedup(
         parts = [getattr(t, name) for t in tpl] + [getattr(t, name)[p] for t, p in extras]
         return np.concatenate([_NONE, *parts]).astype(np.int64, copy=False)
 
-    count, nbytes = column("counts"), column("nbytes")
-    uniform = all(t.chunk_size is not None for t in tpl) and all(t.chunk_size is not None for t, _ in extras)
-    item_bytes = nbytes if uniform else column("item_bytes")  # equal when chunk lengths follow sizes
+    nbytes = column("nbytes")
+    chunk_sizes = {t.chunk_size for t in tpl} | {t.chunk_size for t, _ in extras}
+    if None in chunk_sizes:
+        count, item_bytes = column("counts"), column("item_bytes")
+    else:  # chunk counts follow the sizes, and the items' bytes are their sizes
+        one = chunk_sizes.pop() if len(chunk_sizes) == 1 else None
+        count = -(-nbytes // one) if one is not None else column("counts")
+        item_bytes = nbytes
     start = np.cumsum(count) - count
     total = int(count.sum())
-    # First 64 bits of every candidate chunk: template buffers whole, extras gathered.
-    keys = [_keys(t.digests) for t in tpl] + extra_keys
 
-    def all_keys() -> np.ndarray:
-        return np.concatenate([np.zeros(0, dtype=np.uint64), *keys])
-
-    offset = np.array([0 if t is None else t.digests.buffer[1] for t in tables], dtype=np.int64)
+    # First 64 bits of every candidate chunk: the templates' prefix columns whole, the extras'.
+    def keys() -> np.ndarray:
+        return np.concatenate([np.zeros(0, dtype=np.uint64), *[t.prefix for t in tpl], *extra_keys])
 
     def rows(flat: np.ndarray) -> np.ndarray:
         """Full words of the chunks at ``flat``: sliced one by one (they are few)."""
         it = np.searchsorted(start, flat, side="right") - 1
-        which = zip(src[it].tolist(), pos[it].tolist(), strict=True)
-        first = [int(_present(tables, s).starts[p]) for s, p in which]
-        at = ((offset[src[it]] + np.array(first, dtype=np.int64) + flat - start[it]) * DIGEST_SIZE).tolist()
-        bufs = [_present(tables, s).digests.buffer[0] for s in src[it].tolist()]
-        raw = b"".join([b[x : x + DIGEST_SIZE] for b, x in zip(bufs, at, strict=True)])
-        return np.frombuffer(raw, np.uint64).reshape(-1, 4)
+        raw = []
+        for s, p, k in zip(src[it].tolist(), pos[it].tolist(), (flat - start[it]).tolist(), strict=True):
+            t = _present(tables, s)
+            buf, at = t.digests.buffer
+            x = (at + int(t.starts[p]) + k) * DIGEST_SIZE
+            raw.append(buf[x : x + DIGEST_SIZE])
+        return np.frombuffer(b"".join(raw), np.uint64).reshape(-1, 4)
 
-    groups = _equal_chunks(all_keys, rows)
+    groups = _equal_chunks(keys, rows)
     rep = _same_items(tables, src, pos, count, start, total, groups)
-    is_rep = rep == np.arange(len(rep))
-    merged = not is_rep.all()
-    did = np.cumsum(is_rep) - 1 if merged else np.arange(len(rep), dtype=np.int64)
-    distinct = did[rep] if merged else did
-    bounds = [0, *np.cumsum(n_tpl).tolist()]
-    ex_slot = np.repeat(np.array(extra_slot, dtype=np.int64), n_ex)
-    if merged:
+    n_candidates = len(src)
+    if rep is None:  # every candidate is a distinct item
+        is_rep = np.ones(n_candidates, dtype=bool)
+        did = distinct = np.arange(n_candidates, dtype=np.int64)
+        d_start = start
+    else:
+        is_rep = rep == np.arange(n_candidates)
+        did = np.cumsum(is_rep) - 1
+        distinct = did[rep]
         keep = np.flatnonzero(is_rep)
         src, pos, count, item_bytes, nbytes = (
             src[keep],
@@ -419,20 +414,21 @@ def _dedup(
             item_bytes[keep],
             nbytes[keep],
         )
+        d_start = np.cumsum(count) - count
+    bounds = np.append(0, np.cumsum(n_tpl))
+    ex_slot = np.repeat(np.array(extra_slot, dtype=np.int64), n_ex)
     holder, sets, logical = _holders(
-        nbytes, _Split(distinct, bounds), classes, distinct[n_tpl_items:], ex_slot
+        nbytes, Split(distinct, bounds), classes, distinct[n_tpl_items:], ex_slot
     )
     store = TableStore(tables, src, pos, layout)
-    d_start = np.cumsum(count) - count if merged else start
     h = Holdings(_Items(store), holder, sets, logical, count, item_bytes, d_start, None, store=store)
     h.seen = [() if t is None else t for t in tables]
     places: dict[int, list[int]] = {}
-    old_start = np.cumsum(column("counts")) - column("counts") if merged else start
-    for g in groups:
-        it = np.searchsorted(old_start, g, side="right") - 1
+    for g in groups:  # chunks of several candidates: duplicates where they are in distinct items
+        it = np.searchsorted(start, g, side="right") - 1
         mine = is_rep[it]
         if mine.sum() > 1:
-            at = (d_start[did[it[mine]]] + (g[mine] - old_start[it[mine]])).tolist()
+            at = (d_start[did[it[mine]]] + (g[mine] - start[it[mine]])).tolist()
             places[at[0]] = at
     if places:
         canon = np.arange(int(count.sum()), dtype=np.int64)
@@ -450,8 +446,9 @@ def _same_items(
     start: np.ndarray,
     total: int,
     groups: list[np.ndarray],
-) -> np.ndarray:
-    """Per candidate item, the first candidate with the same key and digests (itself if none)."""
+) -> np.ndarray | None:
+    """Per candidate item, the first candidate with the same key and digests (itself if none);
+    None when that is every candidate itself."""
     rep = np.arange(len(src), dtype=np.int64)
     maybe = np.flatnonzero(count == 0)
     if groups:
@@ -462,13 +459,14 @@ def _same_items(
         all_dup = (c[start + count] - c[start] == count) & (count > 0)
         maybe = np.union1d(maybe, np.flatnonzero(all_dup))
     seen: dict[tuple[str, tuple[int, ...]], int] = {}
+    merged = False
     for i in maybe.tolist():
-        t = tables[int(src[i])]
-        assert t is not None
+        t = _present(tables, int(src[i]))
         a = int(start[i])
         sig = (t.keys[int(pos[i])], tuple(gid[a : a + int(count[i])].tolist()) if groups else ())
-        rep[i] = seen.setdefault(sig, i)
-    return rep
+        rep[i] = first = seen.setdefault(sig, i)
+        merged |= first != i
+    return rep if merged else None
 
 
 def same_tables(h: Holdings, tables: Sequence[ChunkTable | None]) -> bool:

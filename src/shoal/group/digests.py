@@ -26,6 +26,9 @@ import numpy as np
 DIGEST_SIZE = 32
 """Bytes of one BLAKE3-256 digest."""
 
+PREFIX_SIZE = 8
+"""Bytes of a digest's prefix (:meth:`Digests.prefixes`): a key to sort by, never a digest."""
+
 
 class Digests(Sequence[str]):
     """An immutable sequence of chunk digests, stored as raw bytes, read as lowercase hex strings.
@@ -96,6 +99,11 @@ class Digests(Sequence[str]):
     def words(self) -> np.ndarray:
         """The digests as a read-only ``(n, 4)`` array of unsigned 64-bit words (no copy)."""
         return np.frombuffer(self._buf, np.uint64, 4 * self._count, self._start * DIGEST_SIZE).reshape(-1, 4)
+
+    def prefixes(self) -> bytes:
+        """The first :data:`PREFIX_SIZE` bytes of each digest, back to back: the planner's sort keys
+        (see :attr:`~shoal.group.plan.ChunkTable.prefix`)."""
+        return self.words()[:, 0].tobytes()
 
     def __len__(self) -> int:
         return self._count
@@ -246,4 +254,4 @@ class ItemLengths(_Column):
         return int(self._table.item_bytes[np.asarray(self._order, dtype=np.int64)].sum())
 
 
-__all__ = ["DIGEST_SIZE", "Digests", "ItemDigests", "ItemLengths"]
+__all__ = ["DIGEST_SIZE", "PREFIX_SIZE", "Digests", "ItemDigests", "ItemLengths"]

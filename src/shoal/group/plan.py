@@ -27,7 +27,7 @@ from typing import Any, overload
 
 import numpy as np
 
-from shoal.group.digests import Digests, ItemDigests, ItemLengths
+from shoal.group.digests import DIGEST_SIZE, PREFIX_SIZE, Digests, ItemDigests, ItemLengths
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,29 @@ class ChunkTable(Sequence[ItemChunks]):
     (the engine's chunking), whose counts and lengths follow from ``nbytes``. Reads as a
     tuple of :class:`ItemChunks` (whose digests are views of the buffer) and equals one with
     equal items. Immutable; pickles as its columns.
+
+    ``prefix`` is the first 8 bytes of every digest, back to back, as :meth:`Digests.prefixes`
+    makes them (read as :attr:`prefix`); computed when first read if not given. A rank sends
+    its own beside its report (:attr:`~shoal.engine.protocol.RankReport.prefixes`), so that the
+    coordinator reads the planner's sort keys from one small buffer per rank instead of
+    gathering them from every digest. The planner only sorts by it: digests are compared on all
+    32 bytes, so a prefix that disagreed with its digests could hide a duplicate chunk (stored
+    twice) but never merge two different ones. Its length and its first and last entries are
+    checked. It is not pickled (plans refer to tables, and stay as small as the columns).
     """
 
-    __slots__ = ("_lengths", "chunk_size", "counts", "digests", "item_bytes", "keys", "nbytes", "starts")
+    __slots__ = (
+        "_lengths",
+        "_prefix",
+        "chunk_size",
+        "counts",
+        "digests",
+        "item_bytes",
+        "keys",
+        "n_chunks",
+        "nbytes",
+        "starts",
+    )
 
     def __init__(
         self,
@@ -72,10 +92,12 @@ class ChunkTable(Sequence[ItemChunks]):
         lengths: Sequence[int] | np.ndarray | None,
         digests: Digests,
         chunk_size: int | None = None,
+        prefix: bytes | None = None,
     ) -> None:
         self.keys: tuple[str, ...] = tuple(keys)
         self.nbytes = _frozen(nbytes)
         self.digests = digests
+        self._prefix = None if prefix is None else np.frombuffer(_checked_prefix(digests, prefix), np.uint64)
         self.chunk_size = chunk_size
         if chunk_size is not None:
             if chunk_size <= 0:
@@ -99,6 +121,8 @@ class ChunkTable(Sequence[ItemChunks]):
         total = int(self.counts.sum())
         if total != len(digests) or (self._lengths is not None and total != len(self._lengths)):
             raise ValueError(f"{total} chunks in the items, but {len(digests)} digests")
+        self.n_chunks = total
+        """Chunks in all the items (``len(digests)``, read without a call)."""
         self.starts = _frozen(np.cumsum(self.counts) - self.counts)
         if chunk_size is None:
             ends = np.concatenate([[0], np.cumsum(self.lengths)])
@@ -106,10 +130,15 @@ class ChunkTable(Sequence[ItemChunks]):
 
     @classmethod
     def uniform(
-        cls, keys: Sequence[str], nbytes: Sequence[int] | np.ndarray, chunk_size: int, digests: Digests
+        cls,
+        keys: Sequence[str],
+        nbytes: Sequence[int] | np.ndarray,
+        chunk_size: int,
+        digests: Digests,
+        prefix: bytes | None = None,
     ) -> ChunkTable:
         """Items of ``nbytes`` bytes cut into chunks of ``chunk_size`` (the last one shorter)."""
-        return cls(keys, nbytes, None, None, digests, chunk_size)
+        return cls(keys, nbytes, None, None, digests, chunk_size, prefix)
 
     @classmethod
     def from_items(cls, items: Iterable[ItemChunks]) -> ChunkTable:
@@ -146,6 +175,14 @@ class ChunkTable(Sequence[ItemChunks]):
             out.flags.writeable = False
             self._lengths = out
         return self._lengths
+
+    @property
+    def prefix(self) -> np.ndarray:
+        """The first 8 bytes of each digest as an unsigned 64-bit integer, read-only: the planner's
+        sort keys (and :meth:`Digests.prefixes` read as integers)."""
+        if self._prefix is None:
+            self._prefix = np.frombuffer(self.digests.prefixes(), np.uint64)
+        return self._prefix
 
     def item_digests(self, i: int) -> Digests:
         buf, at = self.digests.buffer
@@ -215,6 +252,21 @@ class ChunkTable(Sequence[ItemChunks]):
         if self.chunk_size is not None:
             return (ChunkTable, (self.keys, self.nbytes, None, None, self.digests, self.chunk_size))
         return (ChunkTable, (self.keys, self.nbytes, self.counts, self.lengths, self.digests))
+
+
+def _checked_prefix(digests: Digests, prefix: bytes) -> bytes:
+    """``prefix`` for ``digests``, its length and its first and last entries checked (a whole
+    check would read every digest: what the prefix saves)."""
+    n = len(digests)
+    if len(prefix) != PREFIX_SIZE * n:
+        raise ValueError(f"a prefix of {len(prefix)} bytes for {n} digests ({PREFIX_SIZE} bytes each)")
+    if n:
+        buf, at = digests.buffer
+        for i in (0, n - 1):
+            x = (at + i) * DIGEST_SIZE
+            if prefix[PREFIX_SIZE * i : PREFIX_SIZE * (i + 1)] != buf[x : x + PREFIX_SIZE]:
+                raise ValueError(f"prefix {i} is not the first {PREFIX_SIZE} bytes of digest {i}")
+    return bytes(prefix)
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ Scale. The coordinator plans every checkpoint, for up to 16,384 ranks of 1,000 c
    (:class:`~shoal.group.plan.ChunkTable`: a rank's items as columns, its digests as raw
    bytes in one buffer, what the group save's exchange delivers). Compact reports are
    indexed by :mod:`~shoal.group._tables`, which compares whole ranks with ``memcmp``, keys
-   digests by their first 64 bits and sorts those (``np.sort``), confirming any repeat on all
-   32 bytes, and touches no Python object per chunk; the rest of this list describes the
-   tuple form, whose result is the same :class:`~shoal.group._holdings.Holdings`. Either
-   form gives the same plan;
+   digests by their first 64 bits (a prefix column each rank makes) and sorts those
+   (``np.sort``), confirming any repeat on all 32 bytes, and touches no Python object per
+   chunk; the rest of this list describes the tuple form, whose result is the same
+   :class:`~shoal.group._holdings.Holdings`. Either form gives the same plan;
 1. :mod:`~shoal.group._holdings` reduces the reports to *distinct items*: each rank is
    compared with the last similar rank (a *template*) in one pass, item by item (same key,
    same digest tuple, compared exactly); only the items that differ are looked up by their
@@ -160,19 +160,17 @@ def _group_hosts(ordered: Sequence[RankChunks], topology: Topology) -> Hosts:
         [domain_index.setdefault(topology.domains[h], len(domain_index)) for h in topology.hosts],
         dtype=np.int64,
     )
-    slot_host = []
-    for rc in ordered:
-        if not 0 <= rc.rank < topology.world_size:
-            raise ConfigError(f"rank {rc.rank} reported chunks, but the job has {topology.world_size} ranks")
-        if rc.host != topology.rank_hosts[rc.rank]:
-            raise ConfigError(
-                f"rank {rc.rank} reports host {rc.host!r}, but the topology puts it on "
-                f"{topology.rank_hosts[rc.rank]!r}"
-            )
-        slot_host.append(host_index[rc.host])
-    return Hosts(
-        [rc.rank for rc in ordered], np.array(slot_host, dtype=np.int64), list(topology.hosts), domain
-    )
+    ranks = [rc.rank for rc in ordered]  # ascending
+    if ranks and not 0 <= ranks[0] <= ranks[-1] < topology.world_size:
+        bad = next(r for r in ranks if not 0 <= r < topology.world_size)
+        raise ConfigError(f"rank {bad} reported chunks, but the job has {topology.world_size} ranks")
+    expected = list(map(topology.rank_hosts.__getitem__, ranks))
+    reported = [rc.host for rc in ordered]
+    if reported != expected:
+        rank, host, theirs = next(x for x in zip(ranks, reported, expected, strict=True) if x[1] != x[2])
+        raise ConfigError(f"rank {rank} reports host {host!r}, but the topology puts it on {theirs!r}")
+    slot_host = np.fromiter(map(host_index.__getitem__, expected), np.int64, len(expected))
+    return Hosts(ranks, slot_host, list(topology.hosts), domain)
 
 
 def _partners(hosts: Hosts, topology: Topology, replicate: bool) -> list[int] | None:
@@ -184,7 +182,7 @@ def _partners(hosts: Hosts, topology: Topology, replicate: bool) -> list[int] | 
             "replicate=True needs a topology with partners; this one was built with replicate=False "
             f"or for one host ({list(topology.hosts)})"
         )
-    return [topology.partner_rank(r) for r in hosts.ranks]
+    return list(map(topology.partner_ranks.__getitem__, hosts.ranks))
 
 
 def plan_group_save(

@@ -155,6 +155,11 @@ class Topology:
         self.partner(self.host_of(rank))
         return self._partner_rank[rank]
 
+    @property
+    def partner_ranks(self) -> tuple[int, ...]:
+        """:meth:`partner_rank` of every rank, by rank (one lookup each); empty without partners."""
+        return self._partner_rank
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < len(self.rank_hosts):
             raise ConfigError(f"rank {rank} is outside this job of {len(self.rank_hosts)} ranks")
