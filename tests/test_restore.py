@@ -113,3 +113,10 @@ def test_a_checkpoint_of_four_ranks_loads_resharded_on_two(tmp_path):
     run_ranks(rs.save_row_sharded, hosts=HOSTS, kwargs={"root": root})
     results = run_ranks(rs.load_resharded, hosts=["h0", "h1"], kwargs={"root": root})
     assert [r["step"] for r in results] == [1, 1]  # each rank checked its 32 rows and the model
+
+
+def test_a_chunk_bad_on_its_own_host_and_on_shared_storage_is_repaired_from_the_partner_host(tmp_path):
+    results = run_ranks(rs.repair_across_hosts, hosts=HOSTS, kwargs={"root": str(tmp_path)})
+    for r in results:
+        assert r["repaired"] == 1  # and every rank compared its tensors bit for bit
+        assert r["by_tier"].get("local", 0) > 0  # the good copy: h1's partner copy, sent over the fabric

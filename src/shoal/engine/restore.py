@@ -208,8 +208,8 @@ class Restore:
                 places.setdefault(d, []).append(view[off : off + n])
         held: dict[str, memoryview] = {}
         reader_of: dict[str, int] = {}
-        for _ in range(_MAX_ROUNDS):
-            failed = self._read(plan.reads_at(self.rank), places, held)
+        for round_ in range(_MAX_ROUNDS):
+            failed = self._read(plan.reads_at(self.rank), places, held, repairing=round_ > 0)
             for reader, reads in plan.reads.items():
                 for r in reads:
                     reader_of[r.digest] = reader
@@ -346,8 +346,13 @@ class Restore:
         reads: tuple[ChunkRead, ...],
         places: Mapping[str, list[memoryview]],
         held: dict[str, memoryview],
+        *,
+        repairing: bool = False,
     ) -> list[tuple[str, list[str]]]:
-        """Read and verify this rank's chunks; return ``(digest, [what was tried])`` for each that failed."""
+        """Read and verify this rank's chunks; return ``(digest, [what was tried])`` for each that failed.
+
+        ``repairing``: these chunks failed on another host first (each counts as repaired).
+        """
         failed = []
         scratch = memoryview(bytearray(max((r.length for r in reads), default=0)))
         for r in reads:
@@ -371,7 +376,7 @@ class Restore:
                 buf[:] = view
                 tier = s.tier if s.host is not None else SHARED
                 self._stats.by_tier[tier] = self._stats.by_tier.get(tier, 0) + r.length
-                if i or tried:
+                if i or tried or repairing:
                     self._stats.repaired += 1
                 log.debug("chunk %s read from %s in %.4f s", r.digest, s.describe(), time.perf_counter() - t0)
                 held[r.digest] = buf

@@ -233,3 +233,45 @@ def load_resharded(rank: int, world: int, *, root: str) -> dict[str, Any]:
         assert_state_equal({"model": target["model"]}, model_state())
         assert reader.report is not None
         return {"step": reader.step, "by_tier": dict(reader.report.bytes_by_tier)}
+
+
+def _flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def repair_across_hosts(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """A chunk of rank 0's shard is corrupt in h0's DRAM slab and on shared storage: the load
+    repairs it from h1's partner copy (re-planned on the other host) and is bit-exact."""
+    import json
+
+    state = trained_state(rank, 1)
+    with Checkpointer(group_config(root)) as ckpt:
+        ckpt.save(1, state).wait(Boundary.RESTARTABLE, timeout=60)
+        dist.barrier()
+        if rank == 0:
+            manifest = ckpt._resolve_manifest(1)
+            key = next(k for k, rec in manifest.items.items() if "r0.s" in k and rec.rank == 0)
+            d = manifest.items[key].chunks[0]
+            staged = []
+            for dirpath, _, names in os.walk(os.path.join(root, "dram", "test", "h0", "staged")):
+                for n in names:
+                    with open(os.path.join(dirpath, n)) as f:
+                        staged.append(json.load(f))
+            (doc,) = [s for s in staged if s["rank"] == 0 and s["step"] == 1]
+            (item,) = [i for i in doc["items"] if i["chunks"] and i["chunks"][0] == d]
+            _flip_byte(
+                os.path.join(root, "dram", "test", "h0", "slabs", doc["slab"] + ".slab"), item["offset"] + 5
+            )
+            loc = manifest.locations[d]
+            _flip_byte(os.path.join(ckpt.shared.url, "packs", loc.pack + ".pack"), loc.offset + 5)
+        dist.barrier()
+        target = zeros_like_state(state)
+        assert ckpt.load(target, heal=False) == 1
+        assert_state_equal(target, state)
+        report = ckpt.last_load
+        assert report is not None
+        return {"repaired": report.repaired, "by_tier": dict(report.bytes_by_tier)}
