@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import shoal
-from shoal.testing.checkpoints import assert_state_equal, make_config, zeros_like_state
+from shoal.testing.checkpoints import assert_state_equal, flip_byte, make_config, zeros_like_state
 
 
 @pytest.fixture
@@ -24,14 +24,6 @@ def _staged_slab(dram_root) -> str:
     with open(index) as f:
         doc = json.load(f)
     return os.path.join(os.path.dirname(os.path.dirname(index)), "slabs", doc["slab"] + ".slab")
-
-
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 def test_a_load_in_the_saving_process_reads_its_dram_slab_not_shared_storage(config):
@@ -51,7 +43,7 @@ def test_a_corrupt_dram_copy_is_repaired_from_shared_storage(config, dram_root):
     with shoal.Checkpointer(config) as ckpt:
         ckpt.save(1, state).wait(timeout=60)
         slab = _staged_slab(dram_root)
-        _flip(slab, 70_000)  # inside chunk 1 of 'w'
+        flip_byte(slab, 70_000)  # inside chunk 1 of 'w'
         out = zeros_like_state(state)
         assert ckpt.load(out) == 1
         assert_state_equal(out, state)
@@ -66,8 +58,8 @@ def test_with_every_copy_corrupt_the_load_fails_naming_the_item_and_each_copy(co
         ckpt.save(1, state).wait(timeout=60)
         slab = _staged_slab(dram_root)
         (pack,) = glob.glob(os.path.join(str(tmp_path), "shared", "**", "*.pack"), recursive=True)
-        _flip(slab, 70_000)
-        _flip(pack, 70_000)
+        flip_byte(slab, 70_000)
+        flip_byte(pack, 70_000)
         out = zeros_like_state(state)
         with pytest.raises(shoal.ChecksumMismatch) as err:
             ckpt.load(out)

@@ -404,17 +404,23 @@ class Restore:
         error: str | None = None
         for src, d in chunks:
             view = self.ctx.fabric.broadcast_chunk(src, held.get(d), scratch, places[d][0].nbytes)
-            if src == self.rank or error is not None:
-                continue
-            actual = digest(view)
-            if actual != d:
-                error = f"chunk {d} arrived by broadcast from rank {src} with BLAKE3 {actual}"
-                continue
-            for p in places[d]:
-                p[:] = view
-            self._stats.fabric += view.nbytes
-            self._stats.broadcast += view.nbytes
+            if src != self.rank and error is None:
+                error = self._accept(d, view, places, f"by broadcast from rank {src}")
+                self._stats.broadcast += 0 if error else view.nbytes
         return error
+
+    def _accept(
+        self, d: str, view: memoryview, places: Mapping[str, list[memoryview]], how: str
+    ) -> str | None:
+        """Verify a chunk that arrived ``how``; place it, or return what was wrong with it."""
+        actual = digest(view)
+        if actual != d:
+            step = self.manifest.step if self.manifest is not None else "?"
+            return f"step {step}: chunk {d} arrived {how} with BLAKE3 {actual}"
+        for p in places[d]:
+            p[:] = view
+        self._stats.fabric += view.nbytes
+        return None
 
     def _exchange(
         self,
@@ -430,8 +436,6 @@ class Restore:
         if ctx.fabric.world_size == 1:
             return None
         # Every rank computes the same deliveries from the same (agreed) readers and needs.
-        manifest = self.manifest
-        assert manifest is not None
         needs_all = ctx.fabric.all_gather(sorted(places))
         wanted: dict[str, int] = {}
         for digests in needs_all:
@@ -460,15 +464,8 @@ class Restore:
         stream = ctx.fabric.receive([(src, [places[d][0].nbytes for d in ds]) for src, ds in order], scratch)
         expected = [d for _, ds in order for d in ds]
         for d, view in zip(expected, stream, strict=True):
-            if error is not None:
-                continue  # keep receiving, so the senders can finish
-            actual = digest(view)
-            if actual != d:
-                error = f"step {manifest.step}: chunk {d} arrived over the fabric with BLAKE3 {actual}"
-                continue
-            for p in places[d]:
-                p[:] = view
-            self._stats.fabric += view.nbytes
+            if error is None:  # after an error, keep receiving so the senders can finish
+                error = self._accept(d, view, places, "over the fabric")
         ctx.fabric.wait_all(works)
         return error
 

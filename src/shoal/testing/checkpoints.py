@@ -110,3 +110,12 @@ def assert_state_equal(actual: Mapping[str, Any], expected: Mapping[str, Any], p
 def pack_bytes_on(tier: Tier) -> int:
     """Total size of every pack file on ``tier`` (chunk payload written)."""
     return sum(tier.info(p).size for p in tier.list(layout.PACKS_DIR + "/") if p.endswith(".pack"))
+
+
+def flip_byte(path: str | os.PathLike[str], offset: int, mask: int = 0x40) -> None:
+    """Corrupt one byte of a file in place (a bit flip on disk or in memory)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from shoal import failpoints
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
-from shoal.testing.checkpoints import assert_state_equal, zeros_like_state
+from shoal.testing.checkpoints import assert_state_equal, flip_byte, zeros_like_state
 from shoal.testing.scenarios import group_config
 
 
@@ -235,14 +235,6 @@ def load_resharded(rank: int, world: int, *, root: str) -> dict[str, Any]:
         return {"step": reader.step, "by_tier": dict(reader.report.bytes_by_tier)}
 
 
-def _flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 def repair_across_hosts(rank: int, world: int, *, root: str) -> dict[str, Any]:
     """A chunk of rank 0's shard is corrupt in h0's DRAM slab and on shared storage: the load
     repairs it from h1's partner copy (re-planned on the other host) and is bit-exact."""
@@ -263,11 +255,11 @@ def repair_across_hosts(rank: int, world: int, *, root: str) -> dict[str, Any]:
                         staged.append(json.load(f))
             (doc,) = [s for s in staged if s["rank"] == 0 and s["step"] == 1]
             (item,) = [i for i in doc["items"] if i["chunks"] and i["chunks"][0] == d]
-            _flip_byte(
+            flip_byte(
                 os.path.join(root, "dram", "test", "h0", "slabs", doc["slab"] + ".slab"), item["offset"] + 5
             )
             loc = manifest.locations[d]
-            _flip_byte(os.path.join(ckpt.shared.url, "packs", loc.pack + ".pack"), loc.offset + 5)
+            flip_byte(os.path.join(ckpt.shared.url, "packs", loc.pack + ".pack"), loc.offset + 5)
         dist.barrier()
         target = zeros_like_state(state)
         assert ckpt.load(target, heal=False) == 1
