@@ -399,9 +399,15 @@ class Checkpointer:
         return self.save(step, state)
 
     def _begin_restore(self, step: int | None) -> Restore:
-        """Collective: the inventory and the choice of checkpoint; the session that reads it."""
+        """Collective: the inventory and the choice of checkpoint; the session that reads it.
+
+        Checkpoints in flight are finished first: the restore's collectives share the
+        background group with the pipeline's, and a load must see what this job saved.
+        """
+        self._check_open()
         if step is not None:
             layout.check_step(step)
+        self._pipeline.flush()
         restore = Restore(self._restore_context)
         restore.begin(step)
         return restore

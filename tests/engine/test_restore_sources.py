@@ -66,3 +66,16 @@ def test_with_every_copy_corrupt_the_load_fails_naming_the_item_and_each_copy(co
     msg = str(err.value)
     assert "'w' chunk 1" in msg and "slab" in msg and os.path.basename(pack) in msg
     assert torch.count_nonzero(out["w"][16384:32768]) == 0  # the bad bytes never reached the tensor
+
+
+def test_dcp_load_with_shoals_reader_right_after_save_sees_the_checkpoint(config):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.randn(50_000), "step": 7}
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(7, state)  # not waited for: the reader finishes it first
+        out = zeros_like_state(state)
+        reader = shoal.dcp.StorageReader(ckpt)
+        dcp.load(out, storage_reader=reader, no_dist=True)
+        assert reader.step == 7 and reader.report is not None
+        assert_state_equal(out, state)
