@@ -68,6 +68,7 @@ def test_with_every_copy_corrupt_the_load_fails_naming_the_item_and_each_copy(co
     assert torch.count_nonzero(out["w"][16384:32768]) == 0  # the bad bytes never reached the tensor
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_load_with_shoals_reader_right_after_save_sees_the_checkpoint(config):
     import torch.distributed.checkpoint as dcp
 
