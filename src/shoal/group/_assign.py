@@ -219,7 +219,7 @@ def _runs(
         if done:
             whole, whole_slots = whole[rest], whole_slots[rest]
     built = _built_runs(h, whole, whole_slots, part_slots, part_items, part_index)
-    return sorted(done + built, key=_first) if done else built
+    return sorted(done + built, key=_first) if done and built else done or built  # each by slot
 
 
 def _built_runs(

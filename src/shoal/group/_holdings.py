@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -413,16 +413,11 @@ def _holders(
     if sizes is not None:
         # Every item held by one class only (a fully sharded job): no per-class numpy.
         per_class = np.fromiter(map(len, class_slots), np.int64, len(class_slots))
-        codes = []
-        k = 0
-        for x in class_slots:
-            if len(x) == 1:
-                codes.append(x[0])
-            else:
-                k += 1
-                codes.append(-k)
-        holder = np.repeat(np.array(codes, dtype=np.int64), sizes)
-        alone = bool((per_class == 1).all())
+        first = np.fromiter(map(itemgetter(0), class_slots), np.int64, len(class_slots))
+        in_set = per_class > 1  # held by the class's slots: sets -1, -2, ... in class order
+        codes = np.where(in_set, -np.cumsum(in_set, dtype=np.int64), first)
+        holder = np.repeat(codes, sizes)
+        alone = not in_set.any()
         logical = int(nbytes.sum()) if alone else int((nbytes * np.repeat(per_class, sizes)).sum())
         return holder, [tuple(x) for x in class_slots if len(x) > 1], logical
     # Every (class, item) pair at once: the items of each class's template, less those it lacks.
