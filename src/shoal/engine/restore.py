@@ -97,7 +97,6 @@ class RestoreContext:
     host_tiers: Mapping[str, Tier]
     """This host's host tiers by kind (``local``; ``dram`` when partner copies go to DRAM)."""
     dram: DramTier | None
-    timeout_hint: float = 0.0
 
 
 class Restore:
@@ -131,10 +130,7 @@ class Restore:
         message: tuple[Manifest, Choice] | Exception | None = None
         if ctx.fabric.is_coordinator:
             assert invs is not None
-            try:
-                message = self._choose(invs, step)
-            except ShoalError as e:
-                message = e
+            message = self._guarded(lambda: self._choose(invs, step))
         message = ctx.fabric.broadcast(message)
         if isinstance(message, Exception):
             raise message
@@ -259,10 +255,14 @@ class Restore:
         return None
 
     def _guarded(self, fn: Any) -> Any:
+        """Coordinator work whose error every rank must raise: the error, as a value to broadcast."""
         try:
             return fn()
         except ShoalError as e:
             return e
+        except Exception as e:  # a bug must not leave the other ranks waiting in a collective
+            log.exception("restore: unexpected error on the coordinator")
+            return RestoreFailed(f"{type(e).__name__}: {e}")
 
     def _agree(self, plan: ReadPlan | Exception | str | None) -> ReadPlan:
         plan = self.ctx.fabric.broadcast(plan)
