@@ -6,7 +6,8 @@ Collective, on the background fabric, every rank in the same order:
  R1   gather inventories     each host's leader lists its host; the coordinator
                              adds the shared tier
  R2   broadcast choice       the checkpoint to load (its manifest) or the error
- R3   gather needs           each rank's item keys (DCP's read plan, or all)
+ R3   all-gather needs       each rank's item keys (DCP's read plan, or all): the
+                             coordinator plans the reads, every rank the deliveries
  R4   broadcast read plan    who reads which chunk from where, in order
   -   read + verify          every chunk against its BLAKE3 digest
  R5   gather failures        chunks whose every local source failed: planned
@@ -14,8 +15,7 @@ Collective, on the background fabric, every rank in the same order:
                              and every source tried); until none fail
   -   exchange               readers send verified chunks to every rank needing
                              them; receivers verify again before use
- R6   all-gather needs       every rank works out the same deliveries
- R7   all-gather stats       bytes per tier, so every rank can say what it used
+ R6   all-gather stats       bytes per tier, so every rank can say what it used
 ====  =====================  =====================================================
 
 A rank reads only its own host's DRAM and local tiers and the shared tier.
@@ -110,6 +110,8 @@ class Restore:
         self._sources: dict[str, list[Source]] = {}
         self._tried: dict[str, list[str]] = {}
         self._complete = False
+        self._needs: list[list[str]] = []
+        """Per rank, the item keys it reads (R3)."""
         self._stats = _Stats()
 
     @property
@@ -183,10 +185,10 @@ class Restore:
         assert manifest is not None and self.choice is not None
         if problem is None:
             problem = self._check_dests(manifest, dests)
-        needs = ctx.fabric.gather((sorted(dests), problem))  # R3
+        needs = ctx.fabric.all_gather((sorted(dests), problem))  # R3
+        self._needs = [keys for keys, _ in needs]
         plan: ReadPlan | Exception | str | None = None
         if ctx.fabric.is_coordinator:
-            assert needs is not None
             problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(needs) if p]
             plan = (
                 "; ".join(problems) if problems else self._guarded(lambda: self._plan([k for k, _ in needs]))
@@ -223,7 +225,7 @@ class Restore:
         error = self._exchange(reader_of, places, held)
         stats = ctx.fabric.all_gather(
             (self._stats.by_tier, self._stats.fabric, self._stats.repaired, error, self._stats.broadcast)
-        )  # R7
+        )  # R6
         errors = [f"rank {r}: {s[3]}" for r, s in enumerate(stats) if s[3]]
         if errors:
             raise RestoreFailed("; ".join(errors))
@@ -436,7 +438,9 @@ class Restore:
         if ctx.fabric.world_size == 1:
             return None
         # Every rank computes the same deliveries from the same (agreed) readers and needs.
-        needs_all = ctx.fabric.all_gather(sorted(places))
+        manifest = self.manifest
+        assert manifest is not None
+        needs_all = [sorted({d for k in keys for d in manifest.items[k].chunks}) for keys in self._needs]
         wanted: dict[str, int] = {}
         for digests in needs_all:
             for d in digests:
