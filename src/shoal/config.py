@@ -21,7 +21,13 @@ ENV_HOST_ID = "SHOAL_HOST_ID"
 
 
 def default_local_root() -> str:
-    return os.path.join(tempfile.gettempdir(), "shoal-local")
+    """``<tmp>/shoal-local-<uid>``: private to this user (DESIGN.md section 11)."""
+    return os.path.join(tempfile.gettempdir(), f"shoal-local-{os.geteuid()}")
+
+
+def default_dram_root() -> str:
+    """``/dev/shm/shoal-<uid>``: private to this user (DESIGN.md section 11)."""
+    return f"/dev/shm/shoal-{os.geteuid()}"
 
 
 def _sanitize_host(name: str) -> str:
@@ -38,7 +44,9 @@ class Config:
             (``s3://bucket/run``). Checkpoints live under ``<shared>/<job>/``.
         local: node-local disk root (partner copies, the event log). Defaults to
             ``<tmp>/shoal-local``.
-        dram: host-memory root for staging slabs, normally under ``/dev/shm``.
+        dram: host-memory root for staging slabs, normally under ``/dev/shm``. Defaults to
+            ``/dev/shm/shoal-<uid>``. Host roots are private: shoal creates them 0700 and refuses
+            one that another user owns or can write.
         job: job name; one directory level under every root.
         chunk_size: dedup and hashing granularity in bytes (default 4 MiB).
         path: ``"auto"``, ``"partner"`` or ``"direct"``; how checkpoints reach shared storage.
@@ -60,11 +68,16 @@ class Config:
             never partners. Defaults to the host itself.
         collective_timeout: seconds a background collective may wait for the other ranks
             before the checkpoint is failed.
+        allow_pickle: load non-tensor items (plain Python objects saved in the state) with
+            ``torch.load(weights_only=False)``. **Unsafe**: unpickling runs code chosen by whoever
+            could write the checkpoint. Off by default: such items load with ``weights_only=True``
+            (tensors, containers, numbers and strings), anything else is refused with a
+            :class:`~shoal.errors.FormatError` naming the item.
     """
 
     shared: str
     local: str | None = None
-    dram: str = "/dev/shm/shoal"
+    dram: str | None = None
     job: str = "default"
     chunk_size: int = DEFAULT_CHUNK_SIZE
     path: str = "auto"
@@ -81,8 +94,13 @@ class Config:
     partner_scheme: str = "ring"
     failure_domain: str | None = None
     collective_timeout: float = 300.0
+    allow_pickle: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("shared", "local", "dram", "event_log"):
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                object.__setattr__(self, name, os.fspath(value))
         if not isinstance(self.shared, str) or not self.shared:
             raise ConfigError(f"Config.shared must be a non-empty path or URL, got {self.shared!r}")
         try:
@@ -130,12 +148,13 @@ class Config:
             host = f"node{rank // self.ranks_per_node}"
         host = host or _sanitize_host(socket.gethostname())
         local = self.local or default_local_root()
+        dram = self.dram or default_dram_root()
         log = self.event_log or os.path.join(local, self.job, host, "events.jsonl")
         try:
             check_identifier(host, f"host id (from ${ENV_HOST_ID} or the hostname)")
         except InvalidName as e:
             raise ConfigError(str(e)) from e
-        return replace(self, host_id=host, local=local, event_log=log)
+        return replace(self, host_id=host, local=local, dram=dram, event_log=log)
 
     def shared_url(self) -> str:
         return f"{self.shared.rstrip('/')}/{self.job}"

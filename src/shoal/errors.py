@@ -60,6 +60,28 @@ class ConfigError(ShoalError, ValueError):
     """A ``shoal.Config`` value is invalid; the message names the field."""
 
 
+class OwnershipError(ShoalError, PermissionError):
+    """A host-tier path, lock or file is not this process's to use.
+
+    Raised for a path owned by another user, writable by others, or a symlink where
+    shoal expects its own file or directory (the message names path, owner and mode),
+    and for a lock another live process holds (the message names the holder's pid).
+    """
+
+
+class WriterFenced(ShoalError, RuntimeError):
+    """Another writer took over this job on shared storage; this one may no longer commit.
+
+    Two processes committing into one shared job (a job name used twice) are never
+    interleaved: the newest writer holds the job's ``WRITER`` record, and every commit,
+    ``LATEST`` move and retention pass of an older one fails with this error.
+    """
+
+
+class StateError(ShoalError, RuntimeError):
+    """An operation that the object's state does not allow (a save after ``close()``)."""
+
+
 __all__ = [
     "BoundaryTimeout",
     "CheckpointExists",
@@ -71,9 +93,13 @@ __all__ = [
     "InsufficientMemory",
     "InvalidName",
     "MissingFile",
+    "OwnershipError",
+    "RestoreFailed",
     "ShoalError",
+    "StateError",
     "TierError",
     "UnsupportedFormat",
+    "WriterFenced",
 ]
 
 

@@ -539,4 +539,6 @@ class GroupSave:
             stats=Stats(plan.logical_bytes, plan.unique_bytes, plan.new_bytes),
             shoal_version=__version__,
             partial=partial,
+            run=self.ctx.run_id,
+            writer=None if self.ctx.writer is None else self.ctx.writer.writer_id,
         )

@@ -100,6 +100,11 @@ class PipelineContext:
     plan_cache: PlanCache = field(default_factory=PlanCache)
     """The coordinator's plans, reused while the layout and the digests stay the same."""
     scratch: bytearray = field(default_factory=bytearray)
+    run_id: str | None = None
+    """This run's id (``<shared>/<job>/RUN``), recorded in every manifest it writes."""
+    writer: Any = None
+    """The coordinator's :class:`shoal.engine.fence.WriterFence` (None elsewhere): checked before
+    every commit, ``LATEST`` move and retention pass on the shared tier."""
 
     @property
     def rank(self) -> int:

@@ -20,6 +20,19 @@ from shoal.format.names import check_identifier
 LATEST = "LATEST"
 STEPS_DIR = "steps"
 PACKS_DIR = "packs"
+RUN = "RUN"
+"""Shared tier: the run's id, written once, at the job's first ``Checkpointer`` (DESIGN.md section 11)."""
+WRITER = "WRITER"
+"""Shared tier: the id of the writer allowed to commit into the job (the newest one to claim it)."""
+
+MAX_POINTER_BYTES = 64 << 10
+"""Size limits on metadata reads: ``LATEST``, ``COMMIT``, ``RUN`` and ``WRITER`` records."""
+MAX_MANIFEST_BYTES = 1 << 30
+"""A manifest (every chunk digest of a checkpoint: ~100 bytes per 4 MiB chunk, so ~40 PiB of state)."""
+MAX_INDEX_BYTES = 256 << 20
+"""A pack's ``.idx``."""
+MAX_STAGED_BYTES = 256 << 20
+"""A DRAM slot's staged index."""
 MAX_STEP = 10**12 - 1
 _STEP_DIR = re.compile(r"steps/(\d{12})/")
 _PACK_STEP = re.compile(r"(\d{12})-")

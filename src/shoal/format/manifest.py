@@ -94,6 +94,10 @@ class Manifest:
     hash: str = HASH_NAME
     partial: bool = False
     """A host tier's copy: every item, but locations only for the chunks this tier holds."""
+    run: str | None = None
+    """The id of the run that wrote it (``<shared>/<job>/RUN``; DESIGN.md section 11)."""
+    writer: str | None = None
+    """The id of the writer that committed it (``<shared>/<job>/WRITER``)."""
 
     def encode(self) -> bytes:
         """JSON bytes of this manifest (format ``shoal/1``)."""
@@ -132,6 +136,10 @@ class Manifest:
         }
         if self.partial:
             doc["partial"] = True
+        if self.run is not None:
+            doc["run"] = self.run
+        if self.writer is not None:
+            doc["writer"] = self.writer
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     def chunk_spans(self, key: str) -> list[tuple[str, int, int]]:
@@ -318,6 +326,8 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     if dcp is not None:
         dcp = r.obj(dcp, "dcp")
     version = doc.get("shoal_version", "0")
+    run = doc.get("run")
+    writer = doc.get("writer")
     return Manifest(
         job=job,
         step=step,
@@ -331,6 +341,8 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         stats=stats,
         shoal_version=r.string(version, "shoal_version"),
         partial=partial,
+        run=None if run is None else r.string(run, "run"),
+        writer=None if writer is None else r.string(writer, "writer"),
     )
 
 

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from shoal.errors import ConfigError
+from shoal.errors import ConfigError, FormatError
 
 BytesLike = bytes | bytearray | memoryview
 Data = BytesLike | Iterable[BytesLike]
@@ -140,6 +140,26 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def read(self, path: str) -> bytes:
         """Return the whole file."""
+
+    def read_small(self, path: str, limit: int, what: str = "metadata file") -> bytes:
+        """Read a whole metadata file that must hold at most ``limit`` bytes.
+
+        Checks the size before reading (so a huge file is never loaded whole) and the
+        length of what came back; a larger file is a :class:`~shoal.errors.FormatError`
+        naming the file, its size and the limit. A missing file is
+        :class:`~shoal.errors.MissingFile`, as for :meth:`read`.
+        """
+        size = self.info(path).size
+        if size > limit:
+            raise FormatError(
+                f"{what} {self.url}/{path} is {size} bytes, more than the {limit} bytes such a file may hold"
+            )
+        data = self.read(path)
+        if len(data) > limit:
+            raise FormatError(
+                f"{what} {self.url}/{path} grew to {len(data)} bytes while read (limit {limit} bytes)"
+            )
+        return data
 
     @abc.abstractmethod
     def read_range(self, path: str, offset: int, length: int) -> bytes:
