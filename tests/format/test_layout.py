@@ -32,10 +32,16 @@ def test_check_step_accepts_the_range(step: int) -> None:
 
 @pytest.mark.parametrize("step", [-1, layout.MAX_STEP + 1, 10**12, True, False, 1.0, "1", None])
 def test_check_step_rejects_out_of_range_and_non_ints(step: object) -> None:
-    with pytest.raises(ValueError, match="step"):
+    with pytest.raises(InvalidName, match="step"):
         layout.check_step(step)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError):  # InvalidName is a ValueError too: old callers keep working
         layout.step_dir(step)  # type: ignore[arg-type]
+
+
+def test_check_step_message_stays_short_for_a_huge_step() -> None:
+    with pytest.raises(InvalidName, match="an int of 3322 bits") as info:
+        layout.check_step(10**1000)
+    assert len(str(info.value)) < 200
 
 
 @pytest.mark.parametrize("pack_id", ["../x", "a/b", "", ".hidden"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import secrets
 
+from shoal.errors import InvalidName
 from shoal.format.names import check_identifier
 
 LATEST = "LATEST"
@@ -39,11 +40,17 @@ _PACK_STEP = re.compile(r"(\d{12})-")
 
 
 def check_step(step: object) -> int:
-    """Return ``step`` if it is a valid step number (an int in [0, 10**12)), else raise ValueError."""
+    """Return ``step`` if it is a valid step number (an int in [0, 10**12)).
+
+    Raises :class:`~shoal.errors.InvalidName` (a ``ShoalError`` and a ``ValueError``) otherwise:
+    a step names a directory (``steps/<step:012d>``), so an out-of-range one is an unsafe name.
+    """
     if isinstance(step, bool) or not isinstance(step, int):
-        raise ValueError(f"step must be an int, got {type(step).__name__}: {step!r}")
+        shown = repr(step) if len(repr(step)) <= 80 else repr(step)[:77] + "..."
+        raise InvalidName(f"step must be an int, got {type(step).__name__}: {shown}")
     if not 0 <= step <= MAX_STEP:
-        raise ValueError(f"step must be between 0 and {MAX_STEP}, got {step}")
+        shown = str(step) if step.bit_length() <= 128 else f"an int of {step.bit_length()} bits"
+        raise InvalidName(f"step must be between 0 and {MAX_STEP}, got {shown}")
     return step
 
 
