@@ -28,20 +28,29 @@ class CheckpointInfo:
 
 
 def read_pointer(tier: Tier, path: str) -> Pointer | None:
-    """``LATEST`` or a ``COMMIT`` record, or None if absent."""
+    """``LATEST`` or a ``COMMIT`` record, or None if absent.
+
+    A record larger than :data:`~shoal.format.layout.MAX_POINTER_BYTES` is a
+    :class:`FormatError` and is never read whole.
+    """
     try:
-        data = tier.read(path)
+        what = "LATEST record" if path == layout.LATEST else "commit record"
+        data = tier.read_small(path, layout.MAX_POINTER_BYTES, what)
     except MissingFile:
         return None
     return decode_pointer(data, f"{tier.url}/{path}")
 
 
 def read_manifest(tier: Tier, step: int, *, expect_digest: str | None = None) -> Manifest:
-    """Read and validate the manifest of ``step``; check it against ``expect_digest`` when given."""
+    """Read and validate the manifest of ``step``; check it against ``expect_digest`` when given.
+
+    A manifest larger than :data:`~shoal.format.layout.MAX_MANIFEST_BYTES` is a
+    :class:`FormatError` and is never read whole.
+    """
     path = layout.manifest_path(step)
     where = f"{tier.url}/{path}"
     try:
-        data = tier.read(path)
+        data = tier.read_small(path, layout.MAX_MANIFEST_BYTES, "manifest")
     except MissingFile as e:
         raise CheckpointNotFound(f"no checkpoint for step {step}: {where} does not exist") from e
     if expect_digest is not None and digest(data) != expect_digest:
