@@ -9,12 +9,16 @@ ShardedTensor state and resharding work, and verifies every chunk it reads.
 from __future__ import annotations
 
 import atexit
+import io
 import logging
+import os
+import pickle
 import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
@@ -29,12 +33,33 @@ from shoal.engine.catalog import ChunkCatalog
 from shoal.engine.events import EventLog
 from shoal.engine.group_save import PipelineContext, SaveJob
 from shoal.engine.handle import SaveHandle
+from shoal.engine.hoststate import (
+    HostLock,
+    RunRecord,
+    claim_shared_run,
+    drop_leftover,
+    find_leftovers,
+    list_host_runs,
+    log_foreign_runs,
+    new_generation,
+    run_dir,
+    same_run_candidates,
+    write_run_file,
+)
 from shoal.engine.pipeline import Pipeline
 from shoal.engine.restore import LoadReport, Restore, RestoreContext, sources_in
 from shoal.engine.staged import StagedIndex, staged_path
 from shoal.engine.stager import Slot, SlotRing, StagedItem, StageEntry, stage_into
 from shoal.engine.store import list_checkpoints, read_pointer, resolve_manifest
-from shoal.errors import CheckpointExists, ConfigError
+from shoal.errors import (
+    CheckpointExists,
+    ConfigError,
+    OwnershipError,
+    ShoalError,
+    StateError,
+    TierError,
+    UnsupportedValue,
+)
 from shoal.format import layout
 from shoal.format.chunking import Hasher
 from shoal.format.dcp_codec import encode_metadata
@@ -42,6 +67,9 @@ from shoal.format.manifest import Manifest
 from shoal.group.fabric import Fabric
 from shoal.group.topology import build_topology
 from shoal.tiers import open_tier
+from shoal.tiers.base import Tier
+from shoal.tiers.dram import DramTier
+from shoal.tiers.local import PosixTier
 
 log = logging.getLogger(__name__)
 
@@ -88,23 +116,54 @@ class Checkpointer:
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
-        self.config = cfg = config.resolved(self.rank)
-        assert cfg.host_id is not None and cfg.local is not None
+        cfg = config.resolved(self.rank)
+        assert cfg.host_id is not None and cfg.local is not None and cfg.dram is not None
         self.host = cfg.host_id
-        rank_hosts, domains = self._gather_hosts()
+        self._closed = True  # until construction completes: close() then has nothing to do
+        self._host_lock = HostLock(cfg.dram, cfg.job, self.host, self.rank)
+        rank_hosts, domains = self._claim_host(cfg)
+        try:
+            self.shared = open_tier("shared", cfg.shared_url(), cfg.storage_options)
+            self.run_id = self._agree_on_run(cfg)
+            self._open(cfg, rank_hosts, domains)
+        except BaseException:
+            self._host_lock.release()
+            raise
+        self._closed = False
+        atexit.register(self._at_exit)
+
+    def _open(self, cfg: Config, rank_hosts: list[str], domains: dict[str, str]) -> None:
+        """Open this run's host tiers, the pipeline and the restore (after the run is agreed on)."""
+        assert cfg.local is not None and cfg.dram is not None
+        run = self.run_id
         replicate = cfg.path == "partner" or (cfg.path == "auto" and len(set(rank_hosts)) > 1)
         self.topology = build_topology(
             rank_hosts, scheme=cfg.partner_scheme, domains=domains, replicate=replicate
         )
-        self.shared = open_tier("shared", cfg.shared_url(), cfg.storage_options)
-        self.dram = open_tier("dram", cfg.host_url(cfg.dram))
-        host_tier = None
+        self.dram = DramTier(run_dir(cfg.dram, cfg.job, self.host, run), base=cfg.dram)
+        local = PosixTier(run_dir(cfg.local, cfg.job, self.host, run), base=cfg.local)
+        record = RunRecord(run, cfg.shared_url(), cfg.job, time.time())
+        for root, tier in ((cfg.dram, self.dram), (cfg.local, local)):
+            tier.ensure_root()
+            write_run_file(root, tier.root, record)
+            log_foreign_runs(list_host_runs(root, cfg.job, self.host), run, f"rank {self.rank}")
+        if cfg.event_log is None:
+            cfg = replace(cfg, event_log=os.path.join(local.root, "events.jsonl"))
+        self.config = cfg
+        host_tier: Tier | None = None
         if replicate:
-            host_tier = (
-                self.dram if cfg.replicate_to == "dram" else open_tier("local", cfg.host_url(cfg.local))
-            )
+            host_tier = self.dram if cfg.replicate_to == "dram" else local
         self._host_tier = host_tier
-        self._ring = SlotRing(self.dram, cfg.dram_slots, prefix=f"r{self.rank}-")  # type: ignore[arg-type]
+        generation = new_generation()
+        self._ring = SlotRing(self.dram, cfg.dram_slots, prefix=f"r{self.rank}-{generation}-")
+        self._leftovers = find_leftovers(self.dram, rank=self.rank, own=[s.name for s in self._ring.slots])
+        for left in self._leftovers:
+            log.info(
+                "keeping step %s staged by an earlier process of this run (slab %s) until a newer "
+                "checkpoint reaches B4",
+                left.step,
+                left.slot,
+            )
         self._events = EventLog(cfg.event_log, host=self.host, rank=self.rank)
         fabric = Fabric.create(cfg.collective_timeout)
         context = PipelineContext(
@@ -118,21 +177,19 @@ class Checkpointer:
             hasher=Hasher(cfg.hash_threads),
             dcp_timeout=cfg.collective_timeout,
             dram=self.dram,
+            run_id=run,
         )
         if host_tier is not None and context.is_host_leader:
             context.host_catalog = ChunkCatalog.scan(host_tier, committed_only=False)
         self._pipeline = Pipeline(context, self._ring, keep_last=cfg.keep_last)
-        local = host_tier if host_tier is not None and host_tier.kind == "local" else None
         self._restore_context = RestoreContext(
             fabric=fabric,
             topology=self.topology,
             host=self.host,
             shared=self.shared,
-            host_tiers={
-                "local": local or open_tier("local", cfg.host_url(cfg.local)),
-                "dram": self.dram,
-            },
-            dram=self.dram,  # type: ignore[arg-type]
+            host_tiers={"local": local, "dram": self.dram},
+            dram=self.dram,
+            run_id=run,
         )
         self.last_load: LoadReport | None = None
         """What the last :meth:`load` used: step, metadata origin, bytes per tier."""
@@ -140,24 +197,91 @@ class Checkpointer:
         """The save that heals the last checkpoint :meth:`load` restored, if it was uncommitted."""
         self._lock = threading.Lock()
         self._staging: dict[int, SaveJob] = {}
-        self._closed = False
+        self._watched: list[SaveHandle] = []
+        """Handles of recent saves, until they finish: the newest B4 supersedes leftovers."""
+        self._committed: set[int] = set()
         self._warmer: threading.Thread | None = None
-        atexit.register(self._at_exit)
 
-    def _gather_hosts(self) -> tuple[list[str], dict[str, str]]:
-        """Collective: every rank's host id, and each host's failure domain."""
-        mine = (self.host, self.config.failure_domain or self.host)
+    def _claim_host(self, cfg: Config) -> tuple[list[str], dict[str, str]]:
+        """Collective: take this rank's lock; learn every rank's host, domain and host runs.
+
+        Every rank learns every rank's lock problem, so all of them raise together.
+        """
+        assert cfg.dram is not None and cfg.local is not None
+        problem: str | None = None
+        error: BaseException | None = None
+        candidates: list[tuple[str, float]] = []
+        try:
+            self._host_lock.acquire()
+            for root in (cfg.dram, cfg.local):
+                found = list_host_runs(root, cfg.job, self.host)
+                candidates += [
+                    (r.record.run, r.mtime)
+                    for r in same_run_candidates(found, cfg.shared_url(), cfg.job)
+                    if r.record is not None
+                ]
+        except (ShoalError, OSError) as e:
+            error = e
+            problem = f"rank {self.rank} (host {self.host}): {e}"
+        mine = (self.host, cfg.failure_domain or self.host, problem, candidates)
         everyone: list[Any] = [mine]
         if self.world_size > 1:
             everyone = [None] * self.world_size
             dist.all_gather_object(everyone, mine)
+        problems = [p for _, _, p, _ in everyone if p]
+        if problems:
+            self._host_lock.release()
+            if error is not None:
+                raise error
+            raise OwnershipError(f"another rank could not start: {problems[0]}")
+        self._host_candidates = sorted(
+            {c for _, _, _, cs in everyone for c in cs}, key=lambda c: c[1], reverse=True
+        )
         domains: dict[str, str] = {}
-        for host, domain in everyone:
+        for host, domain, _, _ in everyone:
             if domains.setdefault(host, domain) != domain:
+                self._host_lock.release()
                 raise ConfigError(
                     f"ranks of host {host!r} disagree on its failure domain ({domains[host]!r}, {domain!r})"
                 )
-        return [h for h, _ in everyone], domains
+        return [h for h, _, _, _ in everyone], domains
+
+    def _agree_on_run(self, cfg: Config) -> str:
+        """Collective: the run id, from ``<shared>/<job>/RUN`` (recorded now if the job is new).
+
+        If the shared tier cannot be used, the run is the newest host run directory that
+        names the same shared root and job (a restore from host tiers alone); with none, the
+        shared tier's error is raised on every rank, naming the shared root.
+        """
+        message: tuple[str | None, str | None] = (None, None)
+        if self.rank == 0:
+            try:
+                message = (claim_shared_run(self.shared, cfg.shared_url(), cfg.job).run, None)
+            except (ShoalError, OSError) as e:
+                if self._host_candidates:
+                    run = self._host_candidates[0][0]
+                    log.warning(
+                        "shared tier %s cannot be used (%s); continuing as run %s, found in the host "
+                        "tiers: checkpoints restore from host copies, saves fail until it is back",
+                        self.shared.url,
+                        e,
+                        run,
+                    )
+                    message = (run, None)
+                else:
+                    message = (
+                        None,
+                        f"cannot use the shared root {cfg.shared!r} for job {cfg.job!r}: recording the "
+                        f"run at {self.shared.url}/{layout.RUN} failed: {type(e).__name__}: {e}",
+                    )
+        if self.world_size > 1:
+            box: list[Any] = [message]
+            dist.broadcast_object_list(box, src=0)
+            message = box[0]
+        run, error = message
+        if error is not None or run is None:
+            raise TierError(error or "no run id")
+        return run
 
     @property
     def replicating(self) -> bool:
@@ -211,12 +335,62 @@ class Checkpointer:
                 )
         except BaseException as e:
             self._abort_staging(step, e)
+            if isinstance(e, TypeError | AttributeError | pickle.PicklingError) and not isinstance(
+                e, ShoalError
+            ):
+                bad = _unserialisable(state_dict)
+                if bad is not None:
+                    raise UnsupportedValue(
+                        f"step {step}: the value at {bad[0]!r} ({bad[1]}) cannot be saved: it cannot be "
+                        f"serialised ({type(e).__name__}: {e}); save tensors, or values that pickle"
+                    ) from e
             raise
         # dcp.save returned: every rank has staged (DCP's last collective saw every write).
         self._submit(step)
         handle = writer.handle
         handle._reach_at_least(Boundary.STAGED)
+        self._watch(handle)
         return handle
+
+    def _watch(self, handle: SaveHandle) -> None:
+        """Remember ``handle`` until it finishes; a B4 drops the leftovers it supersedes."""
+        with self._lock:
+            self._watched.append(handle)
+        self._drop_superseded()
+
+    def _drop_superseded(self, *, consult_shared: bool = False) -> None:
+        """Drop staged leftovers of earlier processes superseded by a committed checkpoint of this run.
+
+        A leftover of step s goes once a step >= s of this run reached B4: one this process
+        committed, or (with ``consult_shared``, at close) the one ``LATEST`` names. A slab
+        whose index is gone (a crash mid-copy) holds nothing restorable and goes then too.
+        """
+        latest = None
+        if consult_shared and self._leftovers:
+            try:
+                pointer = read_pointer(self.shared, layout.LATEST)
+                latest = pointer.step if pointer is not None else None
+            except (ShoalError, OSError) as e:
+                log.debug("LATEST unreadable while dropping leftovers: %s", e)
+        with self._lock:
+            watched, self._watched = self._watched, []
+            for h in watched:
+                if h.done(Boundary.RESTARTABLE):
+                    self._committed.add(h.step)
+                elif h.error is None and not h.skipped:
+                    self._watched.append(h)
+            newest = max([*self._committed, *([latest] if latest is not None else [])], default=None)
+            if newest is None or not self._leftovers:
+                return
+            doomed = [left for left in self._leftovers if left.step is None or left.step <= newest]
+            self._leftovers = [left for left in self._leftovers if left not in doomed]
+        for left in doomed:
+            try:
+                drop_leftover(self.dram, left)
+                log.info("dropped step %s staged by an earlier process (slab %s): step %d is committed",
+                         left.step, left.slot, newest)  # fmt: skip
+            except ShoalError as e:
+                log.warning("could not drop the leftover slab %s: %s", left.slot, e)
 
     def _agree_to_skip(self, step: int) -> bool:
         """Collective: refuse an existing step on every rank, and skip on every rank or none."""
@@ -236,7 +410,13 @@ class Checkpointer:
         return any(b for _, b in votes)
 
     def _check_new_step(self, step: int) -> None:
-        if step in self._pipeline.in_flight() or step in self._staging:
+        handle = self._pipeline.in_flight().get(step)
+        if step in self._committed or (handle is not None and handle.done(Boundary.RESTARTABLE)):
+            raise CheckpointExists(
+                f"step {step} is already committed at {self.shared.url}/{layout.step_dir(step)}; "
+                "checkpoints are immutable: save under a new step"
+            )
+        if handle is not None or step in self._staging:
             raise CheckpointExists(f"step {step} is already being checkpointed by this process")
         if self.rank == 0 and self.shared.exists(layout.commit_path(step)):
             raise CheckpointExists(
@@ -266,14 +446,21 @@ class Checkpointer:
             # The slot's staged index describes the checkpoint about to be overwritten: drop it
             # first, so that a crash mid-copy never leaves an index over half-new bytes.
             self.dram.delete(staged_path(slot.name))
-            staged = stage_into(slot, self.dram, entries, rank=self.rank)  # type: ignore[arg-type]
+            staged = stage_into(slot, self.dram, entries, rank=self.rank)
         except BaseException:
             self._ring.release(slot)
             raise
         failpoints.hit("stage.after_copy", rank=self.rank)
         job = SaveJob(step, slot, handle, self.config.job)
         job.staged = StagedIndex(
-            self.config.job, step, self.rank, self.world_size, slot.name, self.config.chunk_size, staged
+            self.config.job,
+            step,
+            self.rank,
+            self.world_size,
+            slot.name,
+            self.config.chunk_size,
+            staged,
+            run=self.run_id,
         )
         try:
             job.staged.write(self.dram)  # B1 survives a crash of this process: the slab is described
@@ -455,12 +642,20 @@ class Checkpointer:
             return
         if self._warmer is not None:
             self._warmer.join()
-        # Every checkpoint is finished: the staged copies are redundant, give /dev/shm back.
-        self._ring.close(release_memory=True)
-        for slot in self._ring.slots:  # their staged indexes describe slabs that are gone
+        # Every checkpoint is finished: this process's staged copies are redundant, give /dev/shm
+        # back. Leftovers of earlier processes stay unless a newer checkpoint committed.
+        self._drop_superseded(consult_shared=True)
+        for slot in self._ring.slots:  # the index first: never an index over a slab that is gone
             self.dram.delete(staged_path(slot.name))
+        self._ring.close(release_memory=True)
         for tier in (self.shared, self.dram):
             tier.close()
+        self._host_lock.release()
+
+    def __del__(self) -> None:
+        lock = getattr(self, "_host_lock", None)
+        if lock is not None and getattr(self, "_closed", True):
+            lock.release()
 
     def _at_exit(self) -> None:
         try:
@@ -470,4 +665,33 @@ class Checkpointer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this Checkpointer is closed")
+            raise StateError(
+                f"this Checkpointer (job {self.config.job!r}, rank {self.rank}) is closed; "
+                "create a new one to save or load"
+            )
+
+
+def _unserialisable(state: Mapping[str, Any], prefix: str = "") -> tuple[str, str] | None:
+    """The first non-tensor value in ``state`` (nested mappings and lists) that does not pickle.
+
+    Only called after a save failed, to name the key: the walk costs one trial pickle per value.
+    """
+    import torch
+
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, Mapping):
+            found = _unserialisable(value, name + ".")
+        elif isinstance(value, list | tuple):
+            found = _unserialisable({str(i): v for i, v in enumerate(value)}, name + ".")
+        else:
+            found = None
+            try:
+                torch.save(value, io.BytesIO())
+            except Exception:
+                found = (name, type(value).__name__)
+        if found is not None:
+            return found
+    return None

@@ -57,7 +57,8 @@ class Config:
         hash_threads: BLAKE3 threads per rank (0: automatic).
         host_id: this host's name; defaults to ``$SHOAL_HOST_ID`` or the hostname.
         storage_options: passed to fsspec for the shared tier (endpoint, credentials).
-        event_log: JSON-lines event log path; defaults to ``<local>/<job>/<host>/events.jsonl``.
+        event_log: JSON-lines event log path; defaults to ``events.jsonl`` in this run's directory
+            of the local root (``<local>/<job>/<host>/runs/<run>/``).
         ranks_per_node: ranks per host when host names do not tell (simulations); by default
             ranks are grouped by ``host_id`` (``$SHOAL_HOST_ID``, else the hostname).
         close_timeout: seconds ``close()`` (and interpreter exit) waits for in-flight work.
@@ -149,12 +150,11 @@ class Config:
         host = host or _sanitize_host(socket.gethostname())
         local = self.local or default_local_root()
         dram = self.dram or default_dram_root()
-        log = self.event_log or os.path.join(local, self.job, host, "events.jsonl")
         try:
             check_identifier(host, f"host id (from ${ENV_HOST_ID} or the hostname)")
         except InvalidName as e:
             raise ConfigError(str(e)) from e
-        return replace(self, host_id=host, local=local, dram=dram, event_log=log)
+        return replace(self, host_id=host, local=local, dram=dram)
 
     def shared_url(self) -> str:
         return f"{self.shared.rstrip('/')}/{self.job}"

@@ -78,6 +78,10 @@ class WriterFenced(ShoalError, RuntimeError):
     """
 
 
+class UnsupportedValue(ShoalError, TypeError):
+    """A value in the state cannot be saved (it cannot be serialised); the message names its key."""
+
+
 class StateError(ShoalError, RuntimeError):
     """An operation that the object's state does not allow (a save after ``close()``)."""
 
@@ -99,6 +103,7 @@ __all__ = [
     "StateError",
     "TierError",
     "UnsupportedFormat",
+    "UnsupportedValue",
     "WriterFenced",
 ]
 

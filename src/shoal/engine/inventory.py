@@ -57,6 +57,7 @@ class StagedRecord:
     job: str = ""
     created: float = 0.0
     dcp: Mapping[str, Any] | None = None
+    run: str | None = None
 
 
 def _staged_record(doc: Mapping[str, Any], where: str) -> StagedRecord:
@@ -88,6 +89,7 @@ def _staged_record(doc: Mapping[str, Any], where: str) -> StagedRecord:
         str(doc.get("job", "")),
         float(doc.get("created", 0.0)),
         dcp if isinstance(dcp, Mapping) else None,
+        None if doc.get("run") is None else str(doc["run"]),
     )
 
 
@@ -109,22 +111,27 @@ def _hashed(rec: StagedRecord, dram: DramTier) -> StagedRecord:
     return dataclasses.replace(rec, items=tuple(items))
 
 
-def read_staged(dram: Tier) -> list[StagedRecord]:
-    """Every readable staged index on ``dram`` (a malformed one is skipped with a warning).
+def read_staged(dram: DramTier, *, run_id: str | None = None) -> list[StagedRecord]:
+    """Every readable staged index on ``dram`` of run ``run_id`` (others are skipped with a log line).
 
-    Items staged but not hashed yet (a crash right after B1) are hashed from their slab now.
+    A malformed index is skipped with a warning. Items staged but not hashed yet (a crash
+    right after B1) are hashed from their slab now.
     """
     out = []
     for path in dram.list(STAGED_DIR + "/"):
         if not path.endswith(".json"):
             continue
+        where = f"{dram.url}/{path}"
         try:
-            rec = _staged_record(json.loads(dram.read(path)), f"{dram.url}/{path}")
-            if isinstance(dram, DramTier):
-                rec = _hashed(rec, dram)
-            out.append(rec)
-        except (ShoalError, ValueError, KeyError, TypeError, AttributeError) as e:
-            log.warning("ignoring staged index %s/%s: %s", dram.url, path, e)
+            data = dram.read_small(path, layout.MAX_STAGED_BYTES, "staged index")
+            rec = _staged_record(json.loads(data), where)
+            if run_id is not None and rec.run != run_id:
+                log.info("ignoring staged index %s: it belongs to run %s, not to this run (%s)",
+                         where, rec.run, run_id)  # fmt: skip
+                continue
+            out.append(_hashed(rec, dram))
+        except (ShoalError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
+            log.warning("ignoring staged index %s: %s", where, e)
     return out
 
 
@@ -150,13 +157,23 @@ def _packs_present(tier: Tier) -> frozenset[str]:
     )
 
 
-def host_inventory(host: str, tiers: Mapping[str, Tier], dram: Tier | None) -> HostInventory:
-    """List what ``host`` holds on its host tiers (``kind -> tier``: local, dram) and DRAM slabs."""
+def host_inventory(
+    host: str, tiers: Mapping[str, Tier], dram: DramTier | None, *, run_id: str | None = None
+) -> HostInventory:
+    """List what ``host`` holds on its host tiers (``kind -> tier``: local, dram) and DRAM slabs.
+
+    With ``run_id``, manifests and staged indexes that name another run are left out (logged).
+    """
     inv = HostInventory(host, looked=[t.url for t in tiers.values()])
     for kind, tier in tiers.items():
         try:
             inv.packs[kind] = _packs_present(tier)
             for info in list_checkpoints(tier):
+                m = info.manifest
+                if m is not None and run_id is not None and m.run is not None and m.run != run_id:
+                    log.info("ignoring manifest of step %d on %s: it belongs to run %s, not %s",
+                             m.step, tier.url, m.run, run_id)  # fmt: skip
+                    continue
                 if info.manifest is not None:
                     inv.manifests.append((kind, info.manifest))
                 elif info.problem:
@@ -165,7 +182,7 @@ def host_inventory(host: str, tiers: Mapping[str, Tier], dram: Tier | None) -> H
             inv.problems.append(f"{tier.url}: {e}")
     if dram is not None:
         try:
-            inv.staged = read_staged(dram)
+            inv.staged = read_staged(dram, run_id=run_id)
         except ShoalError as e:
             inv.problems.append(f"{dram.url}: {e}")
     return inv

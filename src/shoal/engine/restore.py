@@ -97,6 +97,8 @@ class RestoreContext:
     host_tiers: Mapping[str, Tier]
     """This host's host tiers by kind (``local``; ``dram`` when partner copies go to DRAM)."""
     dram: DramTier | None
+    run_id: str | None = None
+    """This run's id: host-tier state recorded under another run is never used."""
 
 
 class Restore:
@@ -125,7 +127,7 @@ class Restore:
         inv: HostInventory | str | None = None
         if ctx.topology.leader(ctx.host) == self.rank:
             try:
-                inv = host_inventory(ctx.host, ctx.host_tiers, ctx.dram)
+                inv = host_inventory(ctx.host, ctx.host_tiers, ctx.dram, run_id=ctx.run_id)
             except Exception as e:
                 inv = f"rank {self.rank} ({ctx.host}): inventory failed: {type(e).__name__}: {e}"
         invs = ctx.fabric.gather(inv)

@@ -49,11 +49,14 @@ class StagedIndex:
     """Item key -> chunk digests, once hashed."""
     dcp: Mapping[str, Any] | None = None
     """The checkpoint's DCP metadata (coordinator only)."""
+    run: str | None = None
+    """The run the slab belongs to (DESIGN.md section 11): a restore uses only its own run's."""
 
     def encode(self) -> bytes:
         doc = {
             "format": STAGED_FORMAT,
             "job": self.job,
+            "run": self.run,
             "step": self.step,
             "rank": self.rank,
             "world_size": self.world_size,

@@ -35,7 +35,7 @@ class SlabLike(Protocol):
 
 
 class SlabSource(Protocol):
-    def open_slab(self, name: str, nbytes: int) -> SlabLike: ...
+    def open_slab(self, name: str, nbytes: int, *, exclusive: bool = False) -> SlabLike: ...
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -117,7 +117,7 @@ def stage_into(slot: Slot, dram: SlabSource, entries: Sequence[StageEntry], *, r
         seen.add(e.key)
     offsets, total = layout(entries)
     if slot.slab is None:
-        slot.slab = dram.open_slab(slot.name, max(total, ALIGN))
+        slot.slab = dram.open_slab(slot.name, max(total, ALIGN), exclusive=True)
     elif slot.slab.capacity < total:
         slot.slab.ensure(total + total // 16)
     buffer = slot.slab.buffer
@@ -202,7 +202,7 @@ class SlotRing:
                 slot.step = None
             try:
                 if slot.slab is None:
-                    slot.slab = self._dram.open_slab(slot.name, nbytes)
+                    slot.slab = self._dram.open_slab(slot.name, nbytes, exclusive=True)
                 else:
                     slot.slab.ensure(nbytes)
             except Exception as e:  # the save that needs this slot will report it

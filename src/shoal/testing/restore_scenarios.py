@@ -249,15 +249,15 @@ def repair_across_hosts(rank: int, world: int, *, root: str) -> dict[str, Any]:
             key = next(k for k, rec in manifest.items.items() if "r0.s" in k and rec.rank == 0)
             d = manifest.items[key].chunks[0]
             staged = []
-            for dirpath, _, names in os.walk(os.path.join(root, "dram", "test", "h0", "staged")):
+            for dirpath, _, names in os.walk(os.path.join(root, "dram", "test", "h0")):
+                if os.path.basename(dirpath) != "staged":
+                    continue
                 for n in names:
                     with open(os.path.join(dirpath, n)) as f:
-                        staged.append(json.load(f))
-            (doc,) = [s for s in staged if s["rank"] == 0 and s["step"] == 1]
+                        staged.append((os.path.dirname(dirpath), json.load(f)))
+            ((run_root, doc),) = [(r, s) for r, s in staged if s["rank"] == 0 and s["step"] == 1]
             (item,) = [i for i in doc["items"] if i["chunks"] and i["chunks"][0] == d]
-            flip_byte(
-                os.path.join(root, "dram", "test", "h0", "slabs", doc["slab"] + ".slab"), item["offset"] + 5
-            )
+            flip_byte(os.path.join(run_root, "slabs", doc["slab"] + ".slab"), item["offset"] + 5)
             loc = manifest.locations[d]
             flip_byte(os.path.join(ckpt.shared.url, "packs", loc.pack + ".pack"), loc.offset + 5)
         dist.barrier()

@@ -61,6 +61,16 @@ def _handle_summary(handle: Any) -> dict[str, Any]:
     }
 
 
+def _run_dirs(base: str) -> list[tuple[str, str]]:
+    """``(host, run directory)`` for every run directory under ``<tier root>/<job>``."""
+    out = []
+    for host in sorted(os.listdir(base)):
+        runs = os.path.join(base, host, "runs")
+        for run in sorted(os.listdir(runs)) if os.path.isdir(runs) else []:
+            out.append((host, os.path.join(runs, run)))
+    return out
+
+
 def host_chunks(root: str, job: str = "test") -> dict[str, set[str]]:
     """Every chunk each simulated host holds, found by reading its tiers directly and re-hashing.
 
@@ -72,9 +82,8 @@ def host_chunks(root: str, job: str = "test") -> dict[str, set[str]]:
         base = os.path.join(root, tier_name, job)
         if not os.path.isdir(base):
             continue
-        for host in os.listdir(base):
+        for host, hdir in _run_dirs(base):
             held = out.setdefault(host, set())
-            hdir = os.path.join(base, host)
             staged = os.path.join(hdir, "staged")
             for name in sorted(os.listdir(staged)) if os.path.isdir(staged) else []:
                 with open(os.path.join(staged, name)) as f:

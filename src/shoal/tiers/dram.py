@@ -24,10 +24,10 @@ import weakref
 
 import numpy as np
 
-from shoal.errors import InsufficientMemory, InvalidName, MissingFile, ShoalError
+from shoal.errors import InsufficientMemory, InvalidName, MissingFile, OwnershipError, ShoalError
 from shoal.format.names import check_identifier
 from shoal.tiers.base import TierCapabilities
-from shoal.tiers.local import PosixTier, makedirs_durable
+from shoal.tiers.local import PosixTier, check_private, ensure_private_dirs, open_private
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,14 @@ class Slab:
     owns a slab.
     """
 
-    def __init__(self, tier: DramTier, name: str, path: str) -> None:
+    def __init__(self, tier: DramTier, name: str, path: str, *, exclusive: bool = False) -> None:
         self.tier = tier
         self.name = name
         self.path = path
         self.capacity = 0
         self._mmap: mmap.mmap | None = None
+        self._create_exclusive = exclusive
+        """Create the file with ``O_EXCL`` on the first mapping (a slab of this process's own)."""
 
     @property
     def buffer(self) -> memoryview:
@@ -105,7 +107,17 @@ class Slab:
 
     def _map(self, capacity: int) -> tuple[mmap.mmap, int]:
         """Reserve the file up to ``capacity`` (or its current size if larger), map and pre-fault it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | (os.O_EXCL if self._create_exclusive else 0)
+        try:
+            fd = open_private(self.path, flags)
+        except FileExistsError:
+            st = os.lstat(self.path)
+            check_private(self.path, st, directory=False)
+            raise OwnershipError(
+                f"slab {self.path} already exists (owner uid {st.st_uid}, {st.st_size} bytes); a new "
+                f"slab is always created afresh, never written through a file that was there before"
+            ) from None
+        self._create_exclusive = False
         try:
             size = os.fstat(fd).st_size
             capacity = max(capacity, size)
@@ -182,8 +194,8 @@ class DramTier(PosixTier):
     capabilities = TierCapabilities(persistent=False, host_local=True, atomic_rename=True)
     durable = False
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        super().__init__(root)
+    def __init__(self, root: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(root, base=base)
         self._slabs: weakref.WeakSet[Slab] = weakref.WeakSet()
 
     def _check_path(self, path: str) -> str:
@@ -217,17 +229,20 @@ class DramTier(PosixTier):
         """Where the slab ``name`` lives: ``<root>/slabs/<name>.slab``."""
         return os.path.join(self.root, SLABS_DIR, check_identifier(name, "slab name") + ".slab")
 
-    def open_slab(self, name: str, nbytes: int) -> Slab:
-        """Map slab ``name`` with at least ``nbytes`` (an existing slab file is reused and kept).
+    def open_slab(self, name: str, nbytes: int, *, exclusive: bool = False) -> Slab:
+        """Map slab ``name`` with at least ``nbytes``.
 
-        Raises :class:`~shoal.errors.InsufficientMemory` if the file system cannot hold it;
-        nothing new is left behind then.
+        An existing slab file of this user is reused and kept, unless ``exclusive``: then the
+        file must not exist yet (:class:`~shoal.errors.OwnershipError` if it does), so that a
+        file prepared by someone else is never written through. Raises
+        :class:`~shoal.errors.InsufficientMemory` if the file system cannot hold it; nothing
+        new is left behind then.
         """
         path = self.slab_path(name)
         with self._wrap("create slab in", SLABS_DIR):
-            makedirs_durable(os.path.dirname(path), durable=False)
-        existed = os.path.exists(path)
-        slab = Slab(self, name, path)
+            ensure_private_dirs(self.base, os.path.dirname(path), durable=False)
+        existed = os.path.lexists(path)
+        slab = Slab(self, name, path, exclusive=exclusive)
         try:
             slab.ensure(nbytes)
         except BaseException:
@@ -244,7 +259,7 @@ class DramTier(PosixTier):
         path = self.slab_path(name)
         view = memoryview(out).cast("B")
         with self._wrap("read slab", name, missing=True):
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_private(path, os.O_RDONLY)
             try:
                 got = 0
                 while got < view.nbytes:

@@ -8,12 +8,21 @@ Temporary files are never listed, and names that look like them are refused.
 
 Reads go straight into the caller's buffer (``os.preadv``); no tier method
 concatenates the parts of a write.
+
+Host tiers are private (DESIGN.md section 11): every directory the tier creates is
+0700 and every file 0600; a directory on the way from the tier's *trusted base* (the
+configured root, e.g. ``/dev/shm/shoal-<uid>``) to the tier root that already exists
+must be a real directory (not a symlink), owned by this user and writable by nobody
+else, or it is refused with :class:`~shoal.errors.OwnershipError` naming its path,
+owner and mode. Files are opened with ``O_NOFOLLOW`` and read only when this user owns
+them, so a symlink or a file planted by someone else is never followed or read.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import pwd
 import re
 import secrets
 import stat
@@ -21,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
 from shoal import failpoints
-from shoal.errors import InvalidName, MissingFile, ShoalError, TierError
+from shoal.errors import InvalidName, MissingFile, OwnershipError, ShoalError, TierError
 from shoal.format.names import check_relpath
 from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities, iter_byte_views
 
@@ -67,6 +76,99 @@ def write_all(fd: int, data: Data, *, failpoint: str | None = None) -> int:
     return total
 
 
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def describe_owner(st: os.stat_result) -> str:
+    """``"alice (uid 1000), mode 0755"`` for messages."""
+    try:
+        name = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        name = "?"
+    return f"{name} (uid {st.st_uid}), mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def check_private(path: str, st: os.stat_result, *, directory: bool) -> None:
+    """Refuse ``path`` (already ``lstat``-ed into ``st``) unless it is ours and nobody else may write it.
+
+    Raises :class:`~shoal.errors.OwnershipError` naming path, owner and mode for a symlink,
+    the wrong kind of file, another owner, or group/world write permission.
+    """
+    uid = os.geteuid()
+    kind = "directory" if directory else "file"
+    problem = None
+    if stat.S_ISLNK(st.st_mode):
+        problem = f"is a symbolic link; shoal never follows links in its host tiers (expected a {kind})"
+    elif directory and not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif not directory and not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_uid != uid:
+        problem = f"belongs to another user, not to uid {uid} who runs shoal"
+    elif st.st_mode & 0o022:
+        problem = "is writable by other users"
+    if problem is not None:
+        raise OwnershipError(
+            f"host-tier {kind} {path} {problem} (owner {describe_owner(st)}); shoal keeps its host tiers "
+            f"private: remove it (or use another Config.dram / Config.local root) and run again"
+        )
+
+
+def ensure_private_dirs(base: str, directory: str, *, durable: bool) -> None:
+    """Create ``directory`` 0700 (and every missing level from ``base`` down), checking each level.
+
+    ``base`` is the trusted base: it and every level below it down to ``directory`` must be
+    real directories owned by this user and writable by no one else
+    (:func:`check_private`); levels above ``base`` (``/dev/shm``, ``/tmp``) are created if
+    missing but not checked. With ``durable`` the parent of each new level is fsync'd.
+    """
+    base = os.path.abspath(base)
+    directory = os.path.abspath(directory)
+    if directory != base and not directory.startswith(base.rstrip("/") + "/"):
+        raise InvalidName(f"host-tier directory {directory} is not below its root {base}")
+    parent = os.path.dirname(base)
+    if not os.path.isdir(parent):
+        makedirs_durable(parent, durable=durable)
+    levels = [base]
+    rest = directory[len(base) :].strip("/")
+    for part in rest.split("/") if rest else []:
+        levels.append(os.path.join(levels[-1], part))
+    for level in levels:
+        try:
+            os.mkdir(level, PRIVATE_DIR_MODE)
+        except FileExistsError:
+            check_private(level, os.lstat(level), directory=True)
+            continue
+        os.chmod(level, PRIVATE_DIR_MODE)  # mkdir's mode is masked by the umask
+        if durable:
+            fsync_dir(os.path.dirname(level))
+
+
+def open_private(path: str, flags: int) -> int:
+    """``os.open`` without following a symlink; the file must be ours and not writable by others.
+
+    Raises :class:`~shoal.errors.OwnershipError` (and closes the descriptor) otherwise.
+    ``FileNotFoundError`` propagates for a missing file.
+    """
+    try:
+        fd = os.open(path, flags | _NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            check_private(path, os.lstat(path), directory=False)
+        raise
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        check_private(path, st, directory=False)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def fsync_dir(directory: str) -> None:
     """fsync ``directory`` so that a rename or creation inside it is durable."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -106,9 +208,18 @@ class AtomicRenameCommit:
 
     atomic_rename = True
 
-    def __init__(self, *, durable: bool = True, failpoint: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        durable: bool = True,
+        failpoint: str | None = None,
+        private_base: str | None = None,
+    ) -> None:
         self.durable = durable
         self.failpoint = failpoint
+        self.private_base = private_base
+        """With a base, directories are made private below it and files are created 0600
+        (host tiers); without one, the umask decides (the shared tier: users share it on purpose)."""
 
     def write(self, target: str, data: Data) -> int:
         """Write ``data`` to the absolute path ``target`` atomically; return the bytes written.
@@ -118,9 +229,16 @@ class AtomicRenameCommit:
         its earlier content, and the exception propagates unchanged.
         """
         directory = os.path.dirname(target)
-        makedirs_durable(directory, durable=self.durable)
+        if self.private_base is not None:
+            ensure_private_dirs(self.private_base, directory, durable=self.durable)
+            mode = PRIVATE_FILE_MODE
+        else:
+            makedirs_durable(directory, durable=self.durable)
+            mode = 0o666  # the umask decides
         tmp = temp_sibling(target)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        # O_EXCL | O_NOFOLLOW: never write through a name someone else prepared; the rename
+        # below replaces whatever is at ``target`` (a planted symlink too) without following it.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | os.O_CLOEXEC, mode)
         try:
             try:
                 total = write_all(fd, data, failpoint=self.failpoint)
@@ -151,6 +269,8 @@ class PosixTier(Tier):
 
     The root is created on the first write, not by the constructor, so opening a tier
     to read never creates directories. ``root`` may be a path or a ``file://`` URL.
+    ``base`` is the trusted base of the private checks (module docstring): the configured
+    root the tier lies under (``<base>/<job>/<host>/...``); it defaults to ``root`` itself.
     """
 
     kind = "local"
@@ -158,14 +278,17 @@ class PosixTier(Tier):
     durable = True
     """Whether writes fsync (file and directory); subclasses for volatile tiers turn it off."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None) -> None:
         root = os.fspath(root)
         if root.startswith("file://"):
             root = root[len("file://") :]
         if not root or "\x00" in root:
             raise InvalidName(f"{self.kind} tier root {root!r} is empty or contains a NUL character")
         self._root = os.path.abspath(root)
-        self._commit = AtomicRenameCommit(durable=self.durable)
+        self._base = self._root if base is None else os.path.abspath(os.fspath(base))
+        if self._root != self._base and not self._root.startswith(self._base.rstrip("/") + "/"):
+            raise InvalidName(f"{self.kind} tier root {self._root} is not below its base {self._base}")
+        self._commit = AtomicRenameCommit(durable=self.durable, private_base=self._base)
 
     @property
     def url(self) -> str:
@@ -175,6 +298,26 @@ class PosixTier(Tier):
     def root(self) -> str:
         """The absolute directory this tier is rooted at."""
         return self._root
+
+    @property
+    def base(self) -> str:
+        """The trusted base: from here down to :attr:`root`, every directory must be private."""
+        return self._base
+
+    def ensure_root(self) -> None:
+        """Create the root (0700 levels from :attr:`base`), or check an existing one is private.
+
+        Raises :class:`~shoal.errors.OwnershipError` naming the offending directory.
+        """
+        with self._wrap("create", "."):
+            ensure_private_dirs(self._base, self._root, durable=self.durable)
+
+    def ensure_dir(self, rel: str) -> str:
+        """Create the private directory ``rel`` below the root; return its absolute path."""
+        target = os.path.join(self._root, check_relpath(rel))
+        with self._wrap("create", rel):
+            ensure_private_dirs(self._base, target, durable=self.durable)
+        return target
 
     # -- paths and errors -------------------------------------------------------------------
 
@@ -219,7 +362,7 @@ class PosixTier(Tier):
     def read(self, path: str) -> bytes:
         target = self._abs(path)
         with self._wrap("read", path, missing=True):
-            fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_private(target, os.O_RDONLY)
             try:
                 size = os.fstat(fd).st_size
                 return self._pread(fd, path, 0, size, exact=False)
@@ -230,7 +373,7 @@ class PosixTier(Tier):
         _check_range(offset, length)
         target = self._abs(path)
         with self._wrap("read", path, missing=True):
-            fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_private(target, os.O_RDONLY)
             try:
                 return self._pread(fd, path, offset, length, exact=True)
             finally:
@@ -262,7 +405,7 @@ class PosixTier(Tier):
         _check_range(offset, view.nbytes)
         target = self._abs(path)
         with self._wrap("read", path, missing=True):
-            fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_private(target, os.O_RDONLY)
             try:
                 got = 0
                 while got < view.nbytes:
@@ -274,12 +417,18 @@ class PosixTier(Tier):
                 os.close(fd)
 
     def exists(self, path: str) -> bool:
-        return os.path.isfile(self._abs(path))
+        try:
+            st = os.lstat(self._abs(path))
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode)
 
     def info(self, path: str) -> FileInfo:
         target = self._abs(path)
         with self._wrap("stat", path, missing=True):
-            st = os.stat(target)
+            st = os.lstat(target)
+        if stat.S_ISLNK(st.st_mode):
+            check_private(target, st, directory=False)
         if not stat.S_ISREG(st.st_mode):
             raise MissingFile(f"cannot stat {self._where(path)}: it is a directory, not a file")
         return FileInfo(path=path, size=st.st_size, mtime=st.st_mtime)
@@ -297,7 +446,7 @@ class PosixTier(Tier):
                 continue
             if entry.is_dir(follow_symlinks=False):
                 self._walk(child, found)
-            elif entry.is_file() and not is_temp_name(entry.name):
+            elif entry.is_file(follow_symlinks=False) and not is_temp_name(entry.name):
                 found.append(child)
 
     def _listed(self, rel: str) -> bool:
