@@ -57,7 +57,7 @@ def test_ls_shows_each_step_with_its_boundary_and_marks_latest(job, capsys):
     assert sorted(rows) == [1, 2, 3]
     assert all("B4 RESTARTABLE" in row for row in rows.values())
     assert "LATEST" in rows[3] and "LATEST" not in rows[1] + rows[2]
-    assert "inf" in rows[2]  # step 2 wrote nothing new
+    assert "all reused" in rows[2] and "inf" not in rows[2]  # step 2 wrote nothing new
 
 
 def test_ls_json_reports_sizes_and_dedup(job, capsys):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import math
 import os
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from decimal import Decimal
 from typing import Any
 
 from rich.console import Console
@@ -21,8 +23,12 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from shoal.engine.store import list_steps
-from shoal.errors import CheckpointNotFound, ConfigError, ShoalError
+from shoal.boundary import Boundary
+from shoal.engine.store import CheckpointInfo, list_steps, read_pointer
+from shoal.errors import CheckpointNotFound, ConfigError, FormatError, MissingFile, ShoalError
+from shoal.format import layout
+from shoal.format.layout import MAX_STEP
+from shoal.format.manifest import Pointer
 from shoal.tiers.base import Tier
 
 EXIT_OK = 0
@@ -141,21 +147,69 @@ def byte_progress(description: str, total: int, *, enabled: bool = True) -> Iter
         yield progress
 
 
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
 
 
 def human_bytes(n: int) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    value = float(n)
-    for unit in _UNITS:
-        if abs(value) < 1024 or unit == _UNITS[-1]:
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    """``1536`` -> ``"1.5 KiB"``; exact integer arithmetic, so any int a manifest holds can be shown."""
+    for exponent, unit in enumerate(_UNITS):
+        if abs(n) < 1024 ** (exponent + 1) or unit == _UNITS[-1]:
+            break
+    if exponent == 0:
+        return f"{n} B"
+    if abs(n) >= 1024 ** len(_UNITS):  # past YiB: no float holds it, Decimal does
+        return f"{Decimal(n):.2e} B"
+    return f"{n / 1024**exponent:.1f} {unit}"
 
 
-def human_ratio(ratio: float) -> str:
-    return "inf" if math.isinf(ratio) else f"{ratio:.2f}x"
+def dedup_text(logical: int, written: int) -> str:
+    """The dedup column: logical bytes per byte written, or what a step that wrote nothing means."""
+    if written == 0:
+        return "all reused" if logical else "-"
+    ratio = Decimal(logical) / Decimal(written)
+    return f"{ratio:.2f}x" if ratio < 10**6 else f"{ratio:.2e}x"
+
+
+def dedup_ratio(logical: int, written: int) -> float | None:
+    """Logical bytes per byte written, for JSON; None when the step wrote nothing or no float holds it."""
+    if written == 0:
+        return None
+    try:
+        ratio = logical / written
+    except OverflowError:
+        return None
+    return ratio if math.isfinite(ratio) else None
+
+
+def local_time(ts: float) -> dt.datetime | None:
+    """``ts`` (seconds since the epoch) in local time, or None if this platform cannot represent it."""
+    try:
+        return dt.datetime.fromtimestamp(ts).astimezone()
+    except (OverflowError, ValueError, OSError):  # out of range for time_t or for datetime
+        return None
+
+
+def step_number(text: str) -> int:
+    """``--step``: a checkpoint step, an int in [0, 10**12)."""
+    try:
+        step = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a step number: {text!r}") from None
+    if not 0 <= step <= MAX_STEP:
+        raise argparse.ArgumentTypeError(f"a step is between 0 and {MAX_STEP}, got {step}")
+    return step
+
+
+def directory_in_the_way(error: BaseException) -> bool:
+    """Whether a missing-file error was a directory where the file should be (not a missing file)."""
+    seen: BaseException | None = error
+    for _ in range(8):  # the tier's error, wrapped by the reader, wrapped by the caller
+        if seen is None:
+            break
+        if isinstance(seen, IsADirectoryError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)\s*", re.IGNORECASE)
@@ -182,3 +236,49 @@ def parse_size(text: str) -> int:
 def print_json(doc: Mapping[str, Any]) -> None:
     """Strict JSON (no NaN or Infinity) on stdout."""
     print(json.dumps(doc, indent=2, allow_nan=False))
+
+
+def directory_at(tier: Tier, path: str) -> bool:
+    """Whether ``path``, which a reader found missing, is in fact a directory."""
+    try:
+        tier.read(path)
+    except MissingFile as e:
+        return directory_in_the_way(e)
+    except (ShoalError, OSError):
+        return False
+    return False
+
+
+def read_pointer_strictly(tier: Tier, path: str) -> Pointer | None:
+    """``LATEST`` or a ``COMMIT`` record, or None if absent (a directory there is a FormatError).
+
+    :func:`~shoal.engine.store.read_pointer` takes a directory where the record should be
+    for no record at all; ``ls`` and ``verify`` say what is in the way instead.
+    """
+    pointer = read_pointer(tier, path)
+    if pointer is None and directory_at(tier, path):
+        raise FormatError(
+            f"{tier.url}/{path} is a directory, not a file; move it away (shoal writes a JSON record there)"
+        )
+    return pointer
+
+
+def checkpoint_problem(tier: Tier, info: CheckpointInfo) -> str | None:
+    """What is wrong with one listed step, naming the file; None if nothing is."""
+    path = layout.manifest_path(info.step)
+    if isinstance(info.error, CheckpointNotFound) and directory_at(tier, path):
+        return f"{tier.url}/{path} is a directory, not a manifest file; move it away"
+    if info.boundary is Boundary.PERSISTED:  # no commit record, or something else in its place
+        try:
+            read_pointer_strictly(tier, layout.commit_path(info.step))
+        except ShoalError as e:
+            return str(e)
+    m = info.manifest
+    if m is not None and m.partial:
+        unheld = sum(1 for rec in m.items.values() for d in rec.chunks if d not in m.locations)
+        if unheld:
+            return (
+                f"{tier.url}/{path} is a partial manifest (a host tier's copy): {unheld} chunk(s) have no "
+                "location here, so the step cannot be restored from this tier"
+            )
+    return info.problem

@@ -1,23 +1,33 @@
 """``shoal``: inspect, verify, garbage-collect and export a job's checkpoints on shared storage.
 
-Exit status: 0 success; 1 ``verify`` found problems; 2 an error (shoal's errors and
-I/O errors print one line on stderr, no traceback unless ``--debug``; bad usage);
-130 interrupted.
+Exit status: 0 success; 1 ``verify`` found problems; 2 could not run: bad usage, or an
+error, printed as one line on stderr that names the place (shoal's errors, I/O errors and
+malformed metadata); an unexpected exception is an "internal error", still one line and
+exit 2; 130 interrupted. No traceback is shown unless asked for with ``--debug`` or
+``SHOAL_DEBUG=1`` in the environment.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from shoal import __version__
 from shoal.cli import export, gc, ls, verify
 from shoal.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, add_location_options
 from shoal.errors import ShoalError
+
+DEBUG_ENV = "SHOAL_DEBUG"
+"""Set to 1 to show tracebacks (and debug logging) as ``--debug`` does, e.g. for ``shoal demo``."""
+
+EXPECTED_ERRORS: tuple[type[Exception], ...] = (ShoalError, OSError, UnicodeError, json.JSONDecodeError)
+"""What a command may fail with for a reason outside shoal: bad data, I/O, the environment."""
 
 _EPILOG = """\
 Checkpoints are addressed by their job directory on shared storage, as a positional
@@ -35,7 +45,9 @@ examples:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
+    common.add_argument(
+        "--debug", action="store_true", help=f"show tracebacks and debug logging (or set {DEBUG_ENV}=1)"
+    )
     add_location_options(common)
     parser = argparse.ArgumentParser(
         prog="shoal",
@@ -60,11 +72,36 @@ def _run_demo(rest: list[str]) -> int:
     except SystemExit as e:
         return _exit_code(e)
     except KeyboardInterrupt:
+        print("shoal demo: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except ShoalError as e:
-        print(f"shoal demo: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+    except Exception as e:  # noqa: BLE001 - the last resort: one line, never a traceback
+        return _report("demo", e, debug=_debug_env())
     return EXIT_OK
+
+
+def _debug_env() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _report(command: str, error: Exception, *, debug: bool) -> int:
+    """Print ``error`` as one line on stderr (with its traceback when ``debug``); return exit status 2."""
+    if debug:
+        traceback.print_exception(error)
+    if isinstance(error, EXPECTED_ERRORS):
+        print(f"shoal {command}: error: {_one_line(error)}", file=sys.stderr)
+    else:
+        hint = "" if debug else f"; rerun with --debug (or {DEBUG_ENV}=1) to see the traceback"
+        print(
+            f"shoal {command}: internal error: {type(error).__name__}: {_one_line(error)} "
+            f"(a bug in shoal, please report it{hint})",
+            file=sys.stderr,
+        )
+    return EXIT_ERROR
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text or type(error).__name__
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -114,20 +151,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # --help, --version, usage errors
         return _exit_code(e)
+    debug = bool(args.debug) or _debug_env()
     try:
-        with _log_to_stderr(debug=args.debug):
+        with _log_to_stderr(debug=debug):
             code: int = args.run(args)
         return code
     except KeyboardInterrupt:
-        print("shoal: interrupted", file=sys.stderr)
+        print(f"shoal {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # shoal ls | head
+        _silence_stdout()
         return EXIT_ERROR
-    except (ShoalError, OSError) as e:
-        if args.debug:
-            traceback.print_exc()
-        print(f"shoal {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+    except SystemExit as e:  # a library that exits: still return, as promised
+        return _exit_code(e)
+    except Exception as e:  # noqa: BLE001 - the last resort: one line, never a traceback
+        return _report(args.command, e, debug=debug)
+
+
+def _silence_stdout() -> None:
+    """After the reader of stdout went away, send what is left to /dev/null so exit stays quiet."""
+    stream = sys.__stdout__
+    if stream is None or sys.stdout is not stream:  # running inside another program (a test): leave it be
+        return
+    with suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
 
 
 if __name__ == "__main__":
