@@ -10,11 +10,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from shoal.cli.common import CliError, byte_progress, open_job, parse_size
+from shoal.cli.common import CliError, byte_progress, open_job, parse_size, step_number
 
 
 def run(args: argparse.Namespace) -> int:
-    from shoal.cli.source import load_source, storage_keys
+    from shoal.cli.source import check_stored, load_source, storage_keys
 
     if len(args.paths) not in (1, 2):
         raise CliError(f"export takes [URL] OUT_DIR, got {len(args.paths)} paths: {args.paths}")
@@ -23,7 +23,9 @@ def run(args: argparse.Namespace) -> int:
     tier = open_job(args)
     try:
         manifest, md = load_source(tier, args.step)
-        total = sum(manifest.items[k].nbytes for k in set(storage_keys(manifest, md).values()))
+        keys = set(storage_keys(manifest, md).values())
+        check_stored(tier, manifest, sorted(keys))
+        total = sum(manifest.items[k].nbytes for k in keys)
         with byte_progress(f"exporting step {manifest.step}", total) as bar:
             task = bar.task_ids[0]
 
@@ -78,7 +80,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "local directory to write (created; must be empty)",
     )
     p.add_argument("--format", required=True, choices=("dcp", "safetensors"), help="what to write")
-    p.add_argument("--step", type=int, help="the step to export (default: LATEST)")
+    p.add_argument("--step", type=step_number, help="the step to export (default: LATEST)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT_DIR, replacing files")
     st = p.add_argument_group("safetensors")
     st.add_argument(

@@ -11,27 +11,55 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from shoal.cli.common import CliError, missing_step
-from shoal.engine.store import resolve_manifest
-from shoal.errors import CheckpointNotFound, FormatError
+from shoal.cli.common import CliError, directory_at, missing_step, read_pointer_strictly
+from shoal.engine.store import list_steps, resolve_manifest
+from shoal.errors import CheckpointNotFound, FormatError, MissingFile, ShoalError
+from shoal.format import layout
+from shoal.format.crosscheck import check_against_dcp
 from shoal.format.dcp_codec import decode_metadata
 from shoal.format.manifest import ItemRecord, Manifest
 from shoal.tiers.base import Tier
 
 
 def load_source(tier: Tier, step: int | None) -> tuple[Manifest, Metadata]:
-    """The manifest of ``step`` (None: the one ``LATEST`` names) and its DCP metadata."""
+    """The manifest of ``step`` (None: the one ``LATEST`` names) and its DCP metadata.
+
+    Before anything is exported, the manifest's items are cross-checked against its DCP
+    metadata (kind, dtype, shape, byte size; :func:`~shoal.format.crosscheck.check_against_dcp`),
+    so a damaged or forged manifest fails here, naming the file, the item and both values.
+    """
     try:
+        if step is not None:  # a directory in the way of its commit record is not "uncommitted"
+            read_pointer_strictly(tier, layout.commit_path(step))
         manifest = resolve_manifest(tier, step)
     except CheckpointNotFound as e:
-        if step is None:
+        clearer = _not_found(tier, step, e)
+        if clearer is e:
             raise
-        raise missing_step(tier, step) from e
+        raise clearer from e
+    where = f"{tier.url}/{layout.manifest_path(manifest.step)}"
     if manifest.dcp is None:
-        raise FormatError(
-            f"step {manifest.step} under {tier.url} has no DCP metadata in its manifest; cannot export it"
-        )
-    return manifest, decode_metadata(manifest.dcp)
+        raise FormatError(f"manifest {where} has no DCP metadata; cannot export step {manifest.step}")
+    try:
+        md = decode_metadata(manifest.dcp)
+        check_against_dcp(manifest)
+    except FormatError as e:
+        raise type(e)(f"manifest {where}: {e}") from e
+    return manifest, md
+
+
+def _not_found(tier: Tier, step: int | None, error: CheckpointNotFound) -> ShoalError:
+    """The clearest error for a checkpoint that could not be found (``error`` itself if none clearer)."""
+    path = layout.LATEST if step is None else layout.manifest_path(step)
+    if directory_at(tier, path):
+        return FormatError(f"{tier.url}/{path} is a directory, not a file; move it away")
+    if step is None:
+        return error
+    if step not in list_steps(tier):
+        return missing_step(tier, step)
+    return CheckpointNotFound(
+        f"step {step} under {tier.url} has a commit record but no manifest ({tier.url}/{path} does not exist)"
+    )
 
 
 def storage_keys(manifest: Manifest, md: Metadata) -> dict[MetadataIndex, str]:
@@ -48,6 +76,40 @@ def storage_keys(manifest: Manifest, md: Metadata) -> dict[MetadataIndex, str]:
             )
         out[index] = key
     return out
+
+
+def check_stored(tier: Tier, manifest: Manifest, keys: Iterable[str]) -> None:
+    """Every chunk of items ``keys`` is placed by ``manifest``, in a pack of the size it records on ``tier``.
+
+    Checked before an export writes anything: a partial manifest (a host tier's copy), a
+    missing pack and a truncated or replaced one each fail here, naming the file.
+    """
+    where = f"{tier.url}/{layout.manifest_path(manifest.step)}"
+    first_user: dict[str, str] = {}  # pack id -> the first item that needs it
+    for key in dict.fromkeys(keys):
+        for i, dig in enumerate(manifest.items[key].chunks):
+            loc = manifest.locations.get(dig)
+            if loc is None:
+                raise FormatError(
+                    f"manifest {where} is partial (a host tier's copy): item {key!r} chunk {i} has no "
+                    f"location under {tier.url}; export from the shared tier, which holds whole checkpoints"
+                )
+            first_user.setdefault(loc.pack, key)
+    for pack_id, key in sorted(first_user.items()):
+        path = f"{tier.url}/{layout.pack_path(pack_id)}"
+        try:
+            size = tier.info(layout.pack_path(pack_id)).size
+        except MissingFile as e:
+            raise MissingFile(
+                f"pack {path} is missing (item {key!r} of step {manifest.step} needs it); "
+                f"shoal verify {tier.url} lists everything it held"
+            ) from e
+        expected = manifest.packs[pack_id].size
+        if size != expected:
+            raise FormatError(
+                f"pack {path} is {size} bytes, manifest {where} says {expected} (truncated or replaced?); "
+                f"shoal verify {tier.url} lists what it affects"
+            )
 
 
 def item_dtype(rec: ItemRecord) -> torch.dtype:

@@ -1,10 +1,13 @@
 """``shoal verify``: re-hash every chunk of every item, and every referenced pack as a whole.
 
-Each pack is read once, front to back: its chunks are hashed as they pass (a chunk that
-many items or steps share lies at one place and is hashed once) and every byte also
-feeds the pack's whole-file BLAKE3, which is checked against the manifests' pack
-records and the pack's ``.idx``. Nothing stops at the first problem: every bad chunk
-is reported with the step, item, chunk index, pack and offset of each use of it.
+Every manifest is first cross-checked against its own DCP metadata (kind, dtype, shape
+and byte size of each item). Each pack is then read once, front to back: its chunks are
+hashed as they pass (a chunk that many items or steps share lies at one place and is
+hashed once) and every byte also feeds the pack's whole-file BLAKE3, which is checked
+against the manifests' pack records and the pack's ``.idx``. Nothing stops at the first
+problem: every bad chunk is reported with the step, item, chunk index, pack and offset of
+each use of it. A partial manifest (a host tier's copy) is reported for the chunks it does
+not place; the ones it places are verified.
 """
 
 from __future__ import annotations
@@ -18,20 +21,25 @@ from typing import Any
 
 import blake3
 
+from shoal.boundary import Boundary
 from shoal.cli.common import (
     EXIT_OK,
     EXIT_PROBLEMS,
     byte_progress,
+    checkpoint_problem,
     human_bytes,
     missing_step,
     open_job,
     print_json,
+    read_pointer_strictly,
     stdout_console,
+    step_number,
 )
-from shoal.engine.store import CheckpointInfo, list_checkpoints, read_pointer
-from shoal.errors import CheckpointNotFound, MissingFile, ShoalError
+from shoal.engine.store import CheckpointInfo, list_checkpoints
+from shoal.errors import CheckpointNotFound, FormatError, MissingFile, ShoalError
 from shoal.format import layout
 from shoal.format.chunking import digest
+from shoal.format.crosscheck import check_against_dcp
 from shoal.format.manifest import Manifest, PackRecord
 from shoal.format.pack import decode_index
 from shoal.tiers.base import Tier
@@ -109,7 +117,7 @@ def select(tier: Tier, step: int | None) -> list[CheckpointInfo]:
 def _check_latest(tier: Tier, infos: list[CheckpointInfo]) -> list[Problem]:
     where = f"{tier.url}/{layout.LATEST}"
     try:
-        latest = read_pointer(tier, layout.LATEST)
+        latest = read_pointer_strictly(tier, layout.LATEST)
     except ShoalError as e:
         return [Problem(f"{layout.LATEST}: {e}")]
     if latest is None:
@@ -117,7 +125,7 @@ def _check_latest(tier: Tier, infos: list[CheckpointInfo]) -> list[Problem]:
     if latest.step not in {i.step for i in infos}:
         return [Problem(f"{where} names step {latest.step}, which has no manifest", step=latest.step)]
     try:
-        commit = read_pointer(tier, layout.commit_path(latest.step))
+        commit = read_pointer_strictly(tier, layout.commit_path(latest.step))
     except ShoalError as e:
         return [Problem(f"step {latest.step}: {e}", step=latest.step)]
     if commit is None:
@@ -150,11 +158,59 @@ def _plan(tier: Tier, manifests: list[Manifest]) -> tuple[dict[str, _PackWork], 
                         pack=f"{tier.url}/{layout.pack_path(pid)}",
                     )
                 )
+        unheld: dict[str, list[int]] = {}
         for key in m.items:
             for i, (dig, item_offset, _) in enumerate(m.chunk_spans(key)):
-                loc = m.locations[dig]
+                loc = m.locations.get(dig)
+                if loc is None:  # a partial manifest (a host tier's copy) places only what it holds
+                    unheld.setdefault(key, []).append(i)
+                    continue
                 packs[loc.pack].spans[(loc.offset, loc.length, dig)].append(Use(m.step, key, i, item_offset))
+        if unheld:
+            problems.append(_partial_problem(tier, m, unheld))
     return packs, problems
+
+
+def _partial_problem(tier: Tier, m: Manifest, unheld: dict[str, list[int]]) -> Problem:
+    """A manifest that does not place every chunk: the step cannot be restored from this tier alone."""
+    where = f"{tier.url}/{layout.manifest_path(m.step)}"
+    chunks = sum(len(c) for c in unheld.values())
+    listed = "; ".join(
+        f"item {key!r} chunk(s) {', '.join(map(str, found[:8]))}{' ...' if len(found) > 8 else ''}"
+        for key, found in list(unheld.items())[:4]
+    )
+    more = f"; and {len(unheld) - 4} more item(s)" if len(unheld) > 4 else ""
+    first_key, first_chunks = next(iter(unheld.items()))
+    return Problem(
+        f"step {m.step}: manifest {where} is partial (a host tier's copy): {chunks} chunk(s) of "
+        f"{len(unheld)} item(s) have no location under {tier.url}, so the step cannot be restored from "
+        f"here ({listed}{more}); the chunks it does place were verified",
+        step=m.step,
+        item=first_key if len(unheld) == 1 else None,
+        chunks=tuple(first_chunks) if len(unheld) == 1 else (),
+    )
+
+
+def _crosscheck(tier: Tier, m: Manifest) -> list[Problem]:
+    """The manifest's items must agree with its DCP metadata: kind, dtype, shape and byte size."""
+    try:
+        check_against_dcp(m)
+    except FormatError as e:
+        where = f"{tier.url}/{layout.manifest_path(m.step)}"
+        return [Problem(f"step {m.step}: manifest {where} disagrees with its DCP metadata: {e}", step=m.step)]
+    return []
+
+
+def _check_commit_records(tier: Tier, infos: list[CheckpointInfo]) -> list[Problem]:
+    """A step that reads as uncommitted (B3) because something other than a record is in the way."""
+    problems = []
+    for info in infos:
+        if info.boundary is Boundary.PERSISTED:
+            try:
+                read_pointer_strictly(tier, layout.commit_path(info.step))
+            except ShoalError as e:
+                problems.append(Problem(f"step {info.step}: {e}", step=info.step))
+    return problems
 
 
 def _uses_problem(message: str, where: str, uses: Iterable[Use], offset: int, length: int) -> list[Problem]:
@@ -248,6 +304,8 @@ def verify_pack(
         size = tier.info(path).size
     except MissingFile:
         return 0, 0, _missing_pack(where, work)
+    except (ShoalError, OSError) as e:
+        return 0, 0, [Problem(f"pack {where}: cannot look at it: {e}", pack=where)]
     problems = _check_index(tier, work, where)
     expected = work.record
     if size != expected.size:
@@ -290,7 +348,7 @@ def verify_pack(
                 whole.update(data)
                 pos = offset + length
             actual = digest(data)
-        except ShoalError as e:
+        except (ShoalError, OSError) as e:
             msg = f"pack {where} offset {offset}: read failed: {e}"
             problems += _uses_problem(msg, where, uses, offset, length)
             streaming = False
@@ -312,7 +370,7 @@ def verify_pack(
                         pack=where,
                     )
                 )
-        except ShoalError as e:
+        except (ShoalError, OSError) as e:
             problems.append(Problem(f"pack {where}: read failed: {e}", pack=where))
     return len(work.spans), nread, problems
 
@@ -324,12 +382,16 @@ def verify(tier: Tier, step: int | None = None, *, jobs: int = 4, progress: bool
     manifests = []
     for info in infos:
         if info.manifest is None:
-            report.problems.append(Problem(f"step {info.step}: {info.problem}", step=info.step))
+            report.problems.append(
+                Problem(f"step {info.step}: {checkpoint_problem(tier, info)}", step=info.step)
+            )
         else:
             manifests.append(info.manifest)
     if step is None or any(m.step == step for m in manifests):
         latest = _check_latest(tier, infos)
         report.problems += [p for p in latest if step is None or p.step == step]
+    report.problems += _check_commit_records(tier, infos)
+    report.problems += [p for m in manifests for p in _crosscheck(tier, m)]
     packs, problems = _plan(tier, manifests)
     report.problems += problems
     report.packs = len(packs)
@@ -340,12 +402,15 @@ def verify(tier: Tier, step: int | None = None, *, jobs: int = 4, progress: bool
         def advance(n: int) -> None:
             bar.advance(task, n)
 
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+        try:
             results = pool.map(lambda w: verify_pack(tier, w, advance), [packs[p] for p in sorted(packs)])
             for chunks, nread, found in results:
                 report.chunks += chunks
                 report.bytes_read += nread
                 report.problems += found
+        finally:  # on Ctrl-C, start no more packs
+            pool.shutdown(wait=True, cancel_futures=True)
     return report
 
 
@@ -394,7 +459,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("url", nargs="?", help="the job directory (<shared>/<job>), a path or fsspec URL")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--step", type=int, help="verify this step only")
+    which.add_argument("--step", type=step_number, help="verify this step only")
     which.add_argument("--all", action="store_true", help="verify every step (the default)")
     p.add_argument("--jobs", type=int, default=4, metavar="N", help="packs verified at once (default 4)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
