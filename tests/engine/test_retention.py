@@ -5,19 +5,25 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shoal.cli.main import main as cli_main
+from shoal.engine.fence import WriterRecord
+from shoal.engine.pipeline import run_retention
 from shoal.engine.retention import RetentionPlan, apply_retention, pack_ids_on, plan_retention
 from shoal.errors import MissingFile, TierError
 from shoal.format import layout
 from shoal.format.chunking import digest
-from shoal.format.manifest import Manifest, PackRecord
+from shoal.format.manifest import Manifest, PackRecord, Pointer
 from shoal.format.names import check_relpath
+from shoal.tiers import open_tier
 from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities, iter_byte_views
+from shoal.tiers.shared import FsspecTier
 
 
 class DictTier(Tier):
@@ -68,7 +74,7 @@ def _pid(step: int, n: int = 0) -> str:
     return f"{step:012d}-host-r0-{n:08x}"
 
 
-def _manifest(step: int, packs: list[str]) -> Manifest:
+def _manifest(step: int, packs: list[str], writer: str | None = None) -> Manifest:
     return Manifest(
         job="job",
         step=step,
@@ -77,6 +83,7 @@ def _manifest(step: int, packs: list[str]) -> Manifest:
         items={},
         locations={},
         packs={p: PackRecord(10, digest(p.encode())) for p in packs},
+        writer=writer,
     )
 
 
@@ -175,12 +182,83 @@ def test_unreadable_kept_manifest_means_no_pack_is_deleted() -> None:
     assert "4" in plan.reason and "unreadable" in plan.reason
 
 
-def test_unreadable_uncommitted_step_is_left_alone_and_blocks_pack_gc() -> None:
+def test_a_damaged_step_older_than_every_kept_step_is_removed_and_gc_goes_on() -> None:
+    # Step 3 has no usable manifest (a commit record without it, or garbage): it used to stop all pack GC.
     manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)]) for s in range(1, 6)}
     manifests[3] = None
-    plan = _plan(committed=[1, 2, 4, 5], manifests=manifests)
+    plan = _plan(committed=[1, 2, 4, 5], manifests=manifests, problems={3: "manifest.json does not exist"})
+    assert plan.keep_steps == (4, 5)
+    assert plan.delete_steps == (1, 2, 3)
+    assert plan.delete_packs == (_pid(1), _pid(2), _pid(3))
+    assert [(d.step, d.removed) for d in plan.damaged] == [(3, True)]
+    assert "manifest.json does not exist" in plan.damaged[0].describe() and plan.reason == ""
+
+
+def test_a_damaged_step_inside_the_window_protects_only_packs_up_to_its_step() -> None:
+    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)]) for s in range(1, 7)}
+    manifests[5] = None  # between the kept steps 4 and 6
+    orphans = [_pid(2, 1), _pid(5, 1), _pid(6, 1)]  # packs of aborted saves
+    plan = _plan(
+        committed=[1, 2, 3, 4, 6],
+        manifests=manifests,
+        latest=6,
+        pack_ids=[_pid(s) for s in range(1, 7)] + orphans,
+        horizon=6,
+    )
+    assert plan.keep_steps == (4, 6)
+    assert plan.delete_steps == (1, 2, 3)  # the damaged step stays
+    # Step 5 could reference any pack written for steps <= 5: those stay; the newer orphan goes.
+    assert plan.delete_packs == (_pid(6, 1),)
+    assert [(d.step, d.removed) for d in plan.damaged] == [(5, False)]
+    assert "step 5" in plan.reason and "steps <= 5" in plan.reason
+
+
+@pytest.mark.parametrize("damaged_step", [7, 9])
+def test_a_damaged_step_newer_than_the_newest_kept_is_kept_possibly_being_written(damaged_step: int) -> None:
+    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)]) for s in range(1, 6)}
+    manifests[damaged_step] = None
+    plan = _plan(manifests=manifests, pack_ids=[_pid(s) for s in range(1, 6)] + [_pid(6, 1)], horizon=8)
+    assert damaged_step not in plan.delete_steps and plan.delete_steps == (1, 2, 3)
+    assert [(d.step, d.removed) for d in plan.damaged] == [(damaged_step, False)]
+    assert plan.delete_packs == ()  # every pack was written for a step <= the damaged one
+
+
+def test_a_damaged_step_older_than_the_window_but_newer_than_the_horizon_stays() -> None:
+    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)]) for s in range(1, 6)}
+    manifests[3] = None
+    plan = _plan(committed=[1, 2, 4, 5], manifests=manifests, horizon=2)
+    assert 3 not in plan.delete_steps and [(d.step, d.removed) for d in plan.damaged] == [(3, False)]
+
+
+def test_steps_of_another_writer_are_left_alone_and_do_not_count_toward_keep_last() -> None:
+    # Writer "b" holds the job; "a" committed 5 and 6 into it (the same Config.job used twice).
+    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)], "b") for s in range(1, 5)}
+    manifests |= {s: _manifest(s, [_pid(s)], "a") for s in (5, 6)}
+    manifests[1] = _manifest(1, [_pid(1)], None)  # older format: counts as b's
+    plan = _plan(
+        committed=range(1, 7),
+        manifests=manifests,
+        latest=4,
+        pack_ids=[_pid(s) for s in range(1, 7)] + [_pid(6, 1)],
+        horizon=6,
+        writer="b",
+    )
+    assert plan.keep_steps == (3, 4)  # b's two newest; a's 5 and 6 do not push them out
+    assert plan.foreign_steps == (5, 6)
     assert plan.delete_steps == (1, 2)
-    assert plan.delete_packs == ()
+    assert plan.delete_packs == (_pid(1), _pid(2), _pid(6, 1))
+    # Without a writer every step is judged alike (the old behaviour, `shoal gc --all-writers`).
+    plan = _plan(committed=range(1, 7), manifests=manifests, latest=6, pack_ids=[], horizon=6)
+    assert plan.keep_steps == (5, 6) and plan.foreign_steps == ()
+
+
+def test_an_uncommitted_step_of_another_writer_is_left_alone() -> None:
+    # a's manifest without its commit record yet: it may be between manifest and COMMIT.
+    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)], "b") for s in range(1, 6)}
+    manifests[3] = _manifest(3, [_pid(3)], "a")
+    plan = _plan(committed=[1, 2, 4, 5], manifests=manifests, writer="b")
+    assert plan.delete_steps == (1, 2) and plan.foreign_steps == (3,)
+    assert _pid(3) not in plan.delete_packs
 
 
 def test_unreadable_committed_step_can_be_deleted_and_gc_goes_on() -> None:
@@ -209,7 +287,8 @@ def tier_states(draw: st.DrawFn) -> dict[str, Any]:
             manifests[s] = None
         else:
             reused = draw(st.lists(st.sampled_from(all_packs), max_size=3)) if all_packs else []
-            manifests[s] = _manifest(s, sorted(set(packs[s] + reused)))
+            writer = draw(st.sampled_from([None, "w", "w", "x"]))
+            manifests[s] = _manifest(s, sorted(set(packs[s] + reused)), writer)
     return {
         "committed": [s for s in steps if draw(st.booleans())],
         "manifests": manifests,
@@ -217,38 +296,65 @@ def tier_states(draw: st.DrawFn) -> dict[str, Any]:
         "keep_last": draw(st.none() | st.integers(0, 4)),
         "pack_ids": all_packs + [_pid(e, 99) for e in extra] + ["foreign"],
         "horizon": draw(st.integers(0, 40)),
+        "writer": draw(st.sampled_from([None, "w"])),
     }
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(tier_states())
 def test_retention_plan_is_safe(state: dict[str, Any]) -> None:
     plan = plan_retention(**state)
     manifests: dict[int, Manifest | None] = state["manifests"]
-    committed = sorted(set(state["committed"]))
+    writer = state["writer"]
+    foreign = {
+        s
+        for s, m in manifests.items()
+        if m is not None and writer is not None and m.writer not in (None, writer)
+    }
+    committed = sorted(set(state["committed"]) - foreign)
     keep_last, latest, horizon = state["keep_last"], state["latest"], state["horizon"]
     newest = committed if keep_last is None else committed[len(committed) - keep_last :]
     deleted = set(plan.delete_steps)
-    # The newest keep_last committed checkpoints and LATEST are kept, and never deleted.
+    # The newest keep_last committed checkpoints of this writer and LATEST are kept, and never deleted.
     assert set(newest) <= set(plan.keep_steps)
     if latest is not None:
         assert latest in plan.keep_steps
     assert not deleted & set(plan.keep_steps)
+    # Another writer's steps are never deleted.
+    assert set(plan.foreign_steps) == foreign
+    assert not deleted & foreign
     # Nothing newer than the horizon is touched.
     assert all(s <= horizon for s in deleted)
     for pid in plan.delete_packs:
         step = layout.pack_step(pid)
         assert step is not None and step <= horizon
-    # Only steps that exist are deleted, and uncommitted ones only if their manifest was readable.
+    # Only steps that exist are deleted; damaged ones only when older than every kept step.
     assert deleted <= set(manifests)
-    assert all(s in committed or manifests[s] is not None for s in deleted)
+    window = min(plan.keep_steps, default=None)
+    damaged = {s for s, m in manifests.items() if m is None}
+    assert {d.step for d in plan.damaged} == damaged
+    for s in deleted & damaged:
+        assert window is None or s < window
+    # No pack a surviving step could reference is deleted.
     survivors = [s for s in manifests if s not in deleted]
-    if any(manifests[s] is None for s in survivors):
-        assert plan.delete_packs == () and plan.reason
     for s in survivors:
         m = manifests[s]
-        assert m is None or not set(m.packs) & set(plan.delete_packs)
+        if m is None:
+            assert all((layout.pack_step(p) or 0) > s for p in plan.delete_packs)
+        else:
+            assert not set(m.packs) & set(plan.delete_packs)
     assert set(plan.delete_packs) <= set(state["pack_ids"])
+    # And damage never stalls the collection: what no survivor can reference is deleted.
+    for d in plan.damaged:
+        assert d.removed == (d.step in deleted)
+        if d.step <= horizon and (window is None or d.step < window):
+            assert d.removed
+    protected = max((s for s in survivors if manifests[s] is None), default=-1)
+    referenced = {p for s in survivors if (m := manifests[s]) is not None for p in m.packs}
+    for pid in set(state["pack_ids"]) - referenced:
+        ps = layout.pack_step(pid)
+        if ps is not None and protected < ps <= horizon:
+            assert pid in plan.delete_packs
 
 
 # --- apply_retention -----------------------------------------------------------------------------
@@ -332,3 +438,150 @@ def test_plan_then_apply_end_to_end() -> None:
     apply_retention(tier, plan)
     assert pack_ids_on(tier) == [_pid(1), _pid(4)]
     assert tier.list(layout.STEPS_DIR + "/") == [layout.commit_path(4), layout.manifest_path(4)]
+
+
+# --- damaged steps on a real shared tier: run_retention and `shoal gc` ------------------------------
+
+
+def _shared(tmp_path: Path) -> Tier:
+    return open_tier("shared", str(tmp_path / "shared" / "job"))
+
+
+def _commit_step(tier: Tier, step: int, *, writer: str | None = None, reuse: tuple[str, ...] = ()) -> str:
+    """A committed step on ``tier`` with one pack of its own (10 bytes) and the reused ones; its pack id."""
+    pid = _pid(step)
+    tier.write(layout.pack_path(pid), b"x" * 10)
+    tier.write(layout.index_path(pid), b"[]")
+    data = _manifest(step, [pid, *reuse], writer).encode()
+    tier.write(layout.manifest_path(step), data)
+    pointer = Pointer(step, digest(data)).encode()
+    tier.write(layout.commit_path(step), pointer)
+    tier.write(layout.LATEST, pointer)
+    return pid
+
+
+def _step_dirs(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "shared" / "job" / layout.STEPS_DIR).iterdir())
+
+
+def _damage(tier: Tier, how: str, step: int) -> None:
+    if how == "commit without manifest":
+        tier.delete(layout.manifest_path(step))
+    elif how == "garbage manifest":
+        tier.write(layout.manifest_path(step), b'{"format": "shoal/1.0", "job": ')
+    elif how == "digest mismatch":  # a second writer rewrote the manifest of the same step
+        tier.write(layout.manifest_path(step), _manifest(step, [_pid(step)], "other").encode())
+    else:  # pragma: no cover
+        raise AssertionError(how)
+
+
+DAMAGE = ["commit without manifest", "garbage manifest", "digest mismatch"]
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_run_retention_removes_an_old_damaged_step_and_its_packs_and_directory(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = _shared(tmp_path)
+    for step in range(1, 6):
+        _commit_step(tier, step)
+    _damage(tier, how, 2)
+    with caplog.at_level(logging.WARNING, logger="shoal.engine.retention"):
+        freed, dropped = run_retention(tier, 2, 5)
+    assert dropped == (_pid(1), _pid(2), _pid(3)) and freed == 30
+    assert _step_dirs(tmp_path) == [f"{4:012d}", f"{5:012d}"]  # emptied step directories are gone too
+    assert pack_ids_on(tier) == [_pid(4), _pid(5)]
+    assert "step 2 is damaged" in caplog.text and "removed" in caplog.text
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_run_retention_keeps_a_damaged_step_in_the_window_and_the_packs_up_to_it(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = _shared(tmp_path)
+    for step in range(1, 7):
+        _commit_step(tier, step)
+    tier.write(layout.pack_path(_pid(6, 1)), b"y" * 7)  # an aborted save's pack, newer than the damage
+    _damage(tier, how, 5)
+    with caplog.at_level(logging.WARNING, logger="shoal.engine.retention"):
+        freed, dropped = run_retention(tier, 2, 6)
+    # Kept: 4 and 6 (the damaged 5 does not count); 1..3 go, but their packs may be 5's.
+    assert dropped == (_pid(6, 1),) and freed == 7
+    assert _step_dirs(tmp_path) == [f"{s:012d}" for s in (4, 5, 6)]
+    assert pack_ids_on(tier) == [_pid(s) for s in range(1, 7)]
+    assert "step 5 is damaged" in caplog.text and "protecting packs of steps <= 5" in caplog.text
+
+
+def test_run_retention_for_a_writer_leaves_the_other_writers_steps(tmp_path: Path) -> None:
+    tier = _shared(tmp_path)
+    for step in (1, 2):
+        _commit_step(tier, step, writer="a" * 16)
+    for step in (3, 4, 5):
+        _commit_step(tier, step, writer="b" * 16, reuse=(_pid(1),))
+    _, dropped = run_retention(tier, 1, 5, writer="b" * 16)
+    assert dropped == (_pid(3), _pid(4))
+    assert _step_dirs(tmp_path) == [f"{s:012d}" for s in (1, 2, 5)]
+
+
+def _gc(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli_main(["gc", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_gc_reports_each_damaged_step_and_what_it_did(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tier = _shared(tmp_path)
+    for step in range(1, 7):
+        _commit_step(tier, step)
+    _damage(tier, "commit without manifest", 2)
+    _damage(tier, "garbage manifest", 5)
+    code, out, err = _gc(capsys, tier.url, "--keep-last", "2", "--dry-run")
+    assert code == 0, err
+    assert "would delete damaged step 2 (no checkpoint for step 2" in out
+    assert "kept damaged step 5 (" in out and "would protect packs of steps <= 5" in out
+    assert "2 damaged step(s), 1 removed" in out
+    assert _step_dirs(tmp_path) == [f"{s:012d}" for s in range(1, 7)]  # a dry run
+    code, out, err = _gc(capsys, tier.url, "--keep-last", "2")
+    assert code == 0 and "Traceback" not in err
+    assert "deleted damaged step 2" in out and "deleted step 1 (B4 RESTARTABLE)" in out
+    assert "step 2 is damaged" in err  # the log line, on stderr
+    assert _step_dirs(tmp_path) == [f"{s:012d}" for s in (4, 5, 6)]
+    assert pack_ids_on(tier) == [_pid(s) for s in range(1, 7)]  # all written no later than step 5
+
+
+def test_gc_judges_the_steps_of_the_writer_holding_the_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tier = _shared(tmp_path)
+    a, b = "a" * 16, "b" * 16
+    for step in (1, 2, 3):
+        _commit_step(tier, step, writer=b)
+    for step in (7, 8):  # another job with the same name, further along
+        _commit_step(tier, step, writer=a)
+    tier.write(layout.LATEST, tier.read(layout.commit_path(3)))
+    tier.write(layout.WRITER, WriterRecord(b, "hb", 42, 1.0).encode())
+    code, out, err = _gc(capsys, tier.url, "--keep-last", "1")
+    assert code == 0, err
+    assert f"left step 7 alone: committed by writer {a}" in out and f"writer {b} (host 'hb'" in out
+    assert "kept steps 3 (LATEST 3); left 2 step(s) of other writers alone" in out
+    assert _step_dirs(tmp_path) == [f"{s:012d}" for s in (3, 7, 8)]
+    code, out, err = _gc(capsys, tier.url, "--keep-last", "1", "--all-writers")
+    assert code == 0, err
+    assert _step_dirs(tmp_path) == [f"{3:012d}", f"{8:012d}"]  # the newest, and the one LATEST names
+
+
+def test_gc_that_cannot_run_exits_2_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = _shared(tmp_path)
+    _commit_step(tier, 1)
+
+    def failing_list(self: Tier, prefix: str = "") -> list[str]:
+        raise TierError(f"could not list {prefix!r} in shared tier {self.url}: EIO")
+
+    monkeypatch.setattr(FsspecTier, "list", failing_list)
+    code, out, err = _gc(capsys, tier.url, "--keep-last", "1")
+    assert code == 2 and "shoal gc: error: could not list" in err and "Traceback" not in err
+    assert out == ""

@@ -1,34 +1,68 @@
 """``shoal gc``: retention by hand: keep the newest committed checkpoints, delete packs nothing uses.
 
 The plan is :func:`shoal.engine.retention.plan_retention`, the one the pipeline runs after
-each commit, with the horizon at the newest committed step: a pack written for a newer
-step may belong to a checkpoint still in flight in a running job and is never touched.
-``--dry-run`` prints the same plan and deletes nothing.
+each commit, with the horizon at the newest step the job's writer committed (or ``LATEST``):
+a pack written for a newer step may belong to a checkpoint still in flight in a running job
+and is never touched. ``--dry-run`` prints the same plan and deletes nothing.
+
+Like the pipeline, it judges the steps of the writer that holds the job now (its
+``WRITER`` record) and leaves the steps other writers committed alone (``--all-writers``
+judges every step). Damaged steps (an unreadable manifest, a commit record without its
+manifest or not matching it) are removed when older than every kept step, and otherwise
+kept, protecting the packs they could reference; each is reported with what was done.
+Exit status: 0 when the pass ran (whatever it found), 2 when it could not run.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
 from shoal.boundary import Boundary
 from shoal.cli.common import human_bytes, open_job, stderr_console, stdout_console
-from shoal.engine.retention import RetentionPlan, apply_retention, pack_ids_on, plan_retention
-from shoal.engine.store import list_checkpoints, read_pointer
-from shoal.errors import MissingFile
+from shoal.engine.fence import WriterRecord, read_writer
+from shoal.engine.retention import RetentionPlan, apply_retention, latest_step, pack_ids_on, plan_retention
+from shoal.engine.store import list_checkpoints
+from shoal.errors import FormatError, MissingFile
 from shoal.format import layout
 from shoal.tiers.base import Tier
 
 
-def plan_gc(
-    tier: Tier, keep_last: int | None
-) -> tuple[RetentionPlan, dict[int, Boundary | None], int | None]:
-    """The retention plan for ``tier``, each step's boundary, and the step ``LATEST`` names."""
+@dataclass(frozen=True)
+class GcPlan:
+    """What ``shoal gc`` will do, and what it knows about each step for the report."""
+
+    plan: RetentionPlan
+    boundaries: dict[int, Boundary | None]
+    latest: int | None
+    holder: WriterRecord | None
+    """The writer the job's ``WRITER`` record names (whose steps are judged), or None."""
+    writers: dict[int, str | None]
+    """Step -> the writer its manifest names (None: not recorded, or the manifest is damaged)."""
+    warnings: tuple[str, ...] = ()
+
+
+def plan_gc(tier: Tier, keep_last: int | None, *, all_writers: bool = False) -> GcPlan:
+    """The retention plan for ``tier`` (a job directory on shared storage), with what the report needs."""
+    warnings: list[str] = []
+    holder: WriterRecord | None = None
+    if not all_writers:
+        try:
+            holder = read_writer(tier)
+        except FormatError as e:
+            warnings.append(f"{e}; judging the steps of every writer")
     infos = list_checkpoints(tier)
+    writer = holder.writer if holder is not None else None
     committed = [i.step for i in infos if i.boundary == Boundary.RESTARTABLE]
-    pointer = read_pointer(tier, layout.LATEST)
-    latest = pointer.step if pointer is not None else None
-    horizon = max([*committed, *([latest] if latest is not None else [])], default=-1)
+    ours = [
+        i.step
+        for i in infos
+        if i.step in committed
+        and (writer is None or i.manifest is None or i.manifest.writer in (None, writer))
+    ]
+    latest = latest_step(tier)
+    horizon = max([*ours, *([latest] if latest is not None else [])], default=-1)
     plan = plan_retention(
         committed=committed,
         manifests={i.step: i.manifest for i in infos},
@@ -36,8 +70,17 @@ def plan_gc(
         keep_last=keep_last,
         pack_ids=pack_ids_on(tier),
         horizon=horizon,
+        writer=writer,
+        problems={i.step: i.problem for i in infos if i.problem},
     )
-    return plan, {i.step: i.boundary for i in infos}, latest
+    return GcPlan(
+        plan,
+        {i.step: i.boundary for i in infos},
+        latest,
+        holder,
+        {i.step: i.manifest.writer if i.manifest is not None else None for i in infos},
+        tuple(warnings),
+    )
 
 
 def _pack_size(tier: Tier, pack_id: str) -> int:
@@ -50,27 +93,50 @@ def _pack_size(tier: Tier, pack_id: str) -> int:
 def run(args: argparse.Namespace) -> int:
     tier = open_job(args)
     try:
-        plan, boundaries, latest = plan_gc(tier, args.keep_last)
+        gc = plan_gc(tier, args.keep_last, all_writers=args.all_writers)
+        plan = gc.plan
         sizes = {pid: _pack_size(tier, pid) for pid in plan.delete_packs}
         if not args.dry_run:
             apply_retention(tier, plan)
     finally:
         tier.close()
-    out = stdout_console()
+    out, err = stdout_console(), stderr_console()
+    for warning in gc.warnings:
+        err.print(f"warning: {warning}")
     verb = "would delete" if args.dry_run else "deleted"
+    damaged = {d.step: d for d in plan.damaged}
     for step in plan.delete_steps:
-        b = boundaries.get(step)
-        out.print(f"{verb} step {step} ({b.label if b is not None else 'unreadable manifest'})")
+        if step in damaged:
+            out.print(f"{verb} damaged step {step} ({damaged[step].problem})")
+        else:
+            b = gc.boundaries.get(step)
+            out.print(f"{verb} step {step} ({b.label if b is not None else 'no boundary'})")
+    for d in plan.damaged:
+        if not d.removed:
+            out.print(
+                f"kept damaged step {d.step} ({d.problem}): inside the kept window or possibly being "
+                f"written; {'would protect' if args.dry_run else 'protected'} packs of steps <= {d.step}"
+            )
+    holder = gc.holder.describe() if gc.holder is not None else "the job's writer"
+    for step in plan.foreign_steps:
+        out.print(
+            f"left step {step} alone: committed by writer {gc.writers.get(step)}, not by {holder} "
+            "(--all-writers judges it too)"
+        )
     for pid in plan.delete_packs:
         out.print(f"{verb} pack {tier.url}/{layout.pack_path(pid)} ({human_bytes(sizes[pid])})")
-    if plan.reason:
-        stderr_console().print(f"warning: {plan.reason}")
     kept = ", ".join(map(str, plan.keep_steps)) or "none"
     freed = human_bytes(sum(sizes.values()))
+    extra = ""
+    if plan.foreign_steps:
+        extra += f"; left {len(plan.foreign_steps)} step(s) of other writers alone"
+    if plan.damaged:
+        extra += f"; {len(plan.damaged)} damaged step(s), {sum(d.removed for d in plan.damaged)} removed"
     out.print(
         f"{'dry run: would free' if args.dry_run else 'freed'} {freed} in {len(plan.delete_packs)} pack(s) "
         f"and {len(plan.delete_steps)} step(s); kept steps {kept}"
-        + (f" (LATEST {latest})" if latest is not None else "")
+        + (f" (LATEST {gc.latest})" if gc.latest is not None else "")
+        + extra
     )
     return 0
 
@@ -89,10 +155,20 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="delete old checkpoints and packs no kept checkpoint uses",
         description="Keep the --keep-last newest committed checkpoints (and the one LATEST names; all of "
         "them without --keep-last), delete the rest, and delete every pack no remaining manifest "
-        "references. Packs of steps newer than the newest commit (possibly in flight) are left alone, "
-        "and no pack is deleted while any manifest is unreadable.",
+        "references. Packs of steps newer than the newest commit (possibly in flight) are left alone. "
+        "Steps committed by a writer other than the one holding the job (its WRITER record) are left "
+        "alone unless --all-writers is given. A damaged step (unreadable manifest, commit record "
+        "without its manifest) is removed when older than every kept step; otherwise it is kept and "
+        "the packs written up to its step are kept with it. Exit status 0 when the pass ran, 2 when "
+        "it could not.",
     )
     p.add_argument("url", nargs="?", help="the job directory (<shared>/<job>), a path or fsspec URL")
     p.add_argument("--keep-last", type=_at_least_one, metavar="N", help="committed checkpoints to keep")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+    p.add_argument(
+        "--all-writers",
+        action="store_true",
+        help="judge the steps of every writer, not only those of the writer holding the job "
+        "(for steps left by an earlier process of the same job)",
+    )
     p.set_defaults(run=run)

@@ -9,10 +9,12 @@ each retention pass, by the one pipeline thread that owns it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from shoal.boundary import Boundary
+from shoal.errors import MissingFile
 from shoal.format import layout
 from shoal.format.manifest import ChunkLocation, Manifest, PackRecord
 from shoal.tiers.base import Tier
@@ -55,8 +57,8 @@ class ChunkCatalog:
 
         Host tiers have no commit records: scan them with ``committed_only=False``.
 
-        Packs that are referenced but missing are left out (with a warning), so a new
-        checkpoint never points at bytes that are not there.
+        Packs that are referenced but missing, or not of their recorded size, are left out
+        (with a warning), so a new checkpoint never points at bytes that are not there.
         """
         from shoal.engine.store import list_checkpoints
 
@@ -65,8 +67,53 @@ class ChunkCatalog:
             committed = info.boundary == Boundary.RESTARTABLE or not committed_only
             if committed and info.manifest is not None:
                 cat.add_manifest(info.manifest)
-        missing = [pid for pid in cat.packs if not tier.exists(layout.pack_path(pid))]
-        if missing:
-            log.warning("catalog of %s: %d referenced packs are missing: %s", tier.url, len(missing), missing)
-            cat.drop_packs(missing)
+        problems = pack_problems(tier, cat.packs)
+        if problems:
+            log.warning(
+                "catalog of %s: %d referenced packs are unusable: %s",
+                tier.url,
+                len(problems),
+                "; ".join(problems.values()),
+            )
+            cat.drop_packs(problems)
         return cat
+
+
+_PARALLEL_STATS = 16
+"""Above this many packs, :func:`pack_problems` stats them from a few threads (object stores: one
+round trip each)."""
+
+
+def pack_problems(tier: Tier, packs: Mapping[str, PackRecord]) -> dict[str, str]:
+    """Pack id -> what is wrong with it on ``tier``, for each of ``packs`` that is not there whole.
+
+    A pack is there whole when its ``.pack`` file has the size its record says and its
+    ``.idx`` exists. Costs one listing of ``packs/`` and one ``info`` per pack. Called by
+    the coordinator before a commit (every pack the new manifest references) and by
+    :meth:`ChunkCatalog.scan`.
+    """
+    if not packs:
+        return {}
+    listed = set(tier.list(layout.PACKS_DIR + "/"))
+    ids = sorted(packs)
+
+    def problem(pid: str) -> str | None:
+        path = layout.pack_path(pid)
+        if path not in listed:
+            return f"{path} is missing"
+        try:
+            size = tier.info(path).size
+        except MissingFile:
+            return f"{path} is missing"
+        if size != packs[pid].size:
+            return f"{path} is {size} bytes, its record says {packs[pid].size}"
+        if layout.index_path(pid) not in listed:
+            return f"{layout.index_path(pid)} (the index of {path}) is missing"
+        return None
+
+    if len(ids) > _PARALLEL_STATS:
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="shoal-stat") as pool:
+            found = list(pool.map(problem, ids))
+    else:
+        found = [problem(pid) for pid in ids]
+    return {pid: p for pid, p in zip(ids, found, strict=True) if p is not None}

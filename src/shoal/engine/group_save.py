@@ -14,7 +14,9 @@ makes the same sequence of collectives on the background group:
  C5   all-gather acks         B2: every new chunk and the manifest on two hosts
   -   drain                   each drain owner writes one pack to the shared tier
  C6   gather drain packs
-      commit (coordinator)    manifest (B3), ``COMMIT`` then ``LATEST`` (B4)
+      commit (coordinator)    check every referenced pack is there whole and that this
+                              process holds the job (``WRITER``); manifest (B3),
+                              ``COMMIT`` then ``LATEST`` (B4), the writer checked before each
  C7   broadcast outcome       every rank's handle learns B3 / B4 or the failure
 ====  ======================  =====================================================
 
@@ -22,6 +24,12 @@ Local work never raises past its phase: an error becomes the rank's contribution
 to the next collective, so every rank takes the same path and the checkpoint fails
 at the same boundary everywhere. With the ``direct`` path (or one host) C3-C5 are
 skipped and B2 is reached with B3.
+
+The commit writes nothing when a pack the manifest would reference is missing or short
+(the checkpoint fails before B3, naming the packs, and the next save rescans the shared
+tier and writes those chunks again), nor once another process holds the job
+(:mod:`shoal.engine.fence`: the checkpoint fails with :class:`~shoal.errors.WriterFenced`;
+packs it drained stay unreferenced until the job's retention reclaims them).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterator, Mapping
 from itertools import accumulate, chain
@@ -38,7 +47,8 @@ import blake3
 
 from shoal import __version__, failpoints
 from shoal.boundary import Boundary
-from shoal.engine.catalog import ChunkCatalog
+from shoal.engine.catalog import ChunkCatalog, pack_problems
+from shoal.engine.fence import WriterFence
 from shoal.engine.protocol import (
     GroupFailure,
     PipelineContext,
@@ -49,7 +59,7 @@ from shoal.engine.protocol import (
     describe,
 )
 from shoal.engine.staged import STAGED_DIR
-from shoal.errors import ChecksumMismatch
+from shoal.errors import ChecksumMismatch, MissingFile, ShoalError, WriterFenced
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.manifest import (
@@ -265,12 +275,14 @@ class GroupSave:
         packs = {
             catalog.locations[d].pack for r in reports for i in r.items for d in i.digests if d in catalog
         }
-        missing = sorted(p for p in packs if not self.ctx.shared.exists(layout.pack_path(p)))
-        if missing:
+        problems = pack_problems(self.ctx.shared, {p: catalog.packs[p] for p in packs})
+        if problems:
             log.warning(
-                "packs %s vanished from %s; their chunks will be written again", missing, self.ctx.shared.url
+                "packs vanished from %s (%s); their chunks will be written again",
+                self.ctx.shared.url,
+                "; ".join(problems.values()),
             )
-        return not missing
+        return not problems
 
     # -- C3..C5: replicate -------------------------------------------------------------------
     def _view(self, ref: ChunkRef) -> memoryview:
@@ -448,7 +460,12 @@ class GroupSave:
         return index
 
     def _commit(self, plan: GroupPlan, reports: list[RankReport], results: list[Any]) -> dict[str, Any]:
-        """Coordinator: manifest (B3), then ``COMMIT`` and ``LATEST`` (B4). Returns the outcome for C7."""
+        """Coordinator: manifest (B3), then ``COMMIT`` and ``LATEST`` (B4). Returns the outcome for C7.
+
+        Before the manifest: every pack it references is on the shared tier whole
+        (:meth:`_check_packs`), and this process holds the job (claimed here before its
+        first commit; checked again before ``COMMIT`` and before ``LATEST``).
+        """
         errors = [r for r in results if isinstance(r, str)]
         if errors:
             return {"reached": None, "error": "; ".join(errors)}
@@ -456,6 +473,7 @@ class GroupSave:
         reached: Boundary | None = None
         try:
             assert ctx.shared_catalog is not None
+            fence = self._fence()
             new = {
                 e.digest: ChunkLocation(i.pack_id, e.offset, e.length)
                 for i in results
@@ -473,14 +491,18 @@ class GroupSave:
                         packs[loc.pack] = new_packs.get(loc.pack) or ctx.shared_catalog.packs[loc.pack]
             manifest = self._manifest(plan, reports, locations, packs, self._dcp_metadata())
             data = manifest.encode()
+            self._check_packs(packs)
+            fence.check(ctx.shared, f"write the manifest of step {self.step}")
             failpoints.hit("pipeline.before_manifest", rank=ctx.rank)
             self._write_shared("manifest", layout.manifest_path(self.step), data)
             reached = Boundary.PERSISTED
             failpoints.hit("pipeline.before_commit", rank=ctx.rank)
             pointer = Pointer(self.step, digest(data)).encode()
+            fence.check(ctx.shared, f"commit step {self.step}")
             self._write_shared("commit", layout.commit_path(self.step), pointer)
             try:
                 failpoints.hit("pipeline.before_latest", rank=ctx.rank)
+                fence.check(ctx.shared, f"move {layout.LATEST} to step {self.step}")
                 self._write_shared("latest", layout.LATEST, pointer)
             except Exception:
                 # B4 means COMMIT *and* LATEST: take the commit record back, best effort, so that
@@ -492,7 +514,61 @@ class GroupSave:
             return {"reached": Boundary.RESTARTABLE, "error": None}
         except Exception as e:
             ctx.shared_catalog = None  # rebuild from what the tier really holds
-            return {"reached": reached, "error": self._local("commit", e)}
+            return {"reached": reached, "error": self._local("commit", self._fence_after_failure(e))}
+
+    def _fence(self) -> WriterFence:
+        """This process's claim on the job, made now if this is its first commit (coordinator only)."""
+        ctx = self.ctx
+        if ctx.writer is None:
+            ctx.writer = WriterFence.claim(ctx.shared, host=ctx.host, pid=os.getpid())
+        fence: WriterFence = ctx.writer
+        return fence
+
+    def _check_packs(self, packs: Mapping[str, PackRecord]) -> None:
+        """B4 only over bytes that are there: every pack the manifest references, whole, on shared."""
+        problems = pack_problems(self.ctx.shared, packs)
+        if not problems:
+            return
+        shown = list(problems.values())
+        more = f" (and {len(shown) - 10} more)" if len(shown) > 10 else ""
+        raise MissingFile(
+            f"step {self.step} not committed: {len(problems)} of the {len(packs)} packs its manifest "
+            f"references are not whole on {self.ctx.shared.url}: {'; '.join(shown[:10])}{more}. "
+            "The next save scans the shared tier again and writes their chunks anew."
+        )
+
+    def _fence_after_failure(self, error: Exception) -> Exception:
+        """After a failed commit: the error to report, and the fence to keep.
+
+        If another writer holds the job now, that is the error (whatever else went wrong:
+        its retention may have deleted packs this process meant to reuse). If the ``WRITER``
+        record is gone (the job directory was removed) and no other writer was ever seen,
+        the fence is dropped: the next commit claims the job again, as on a new job.
+        """
+        ctx = self.ctx
+        fence = ctx.writer
+        if not isinstance(fence, WriterFence):
+            return error
+        try:
+            current = fence.holder(ctx.shared)
+        except (ShoalError, OSError):
+            return error  # unreadable: keep the fence; the next check says why
+        if current is None:
+            if fence.superseded_by is None:
+                log.warning(
+                    "%s has no writer record any more (was the job directory removed?): the next "
+                    "commit claims the job again",
+                    ctx.shared.url,
+                )
+                ctx.writer = None
+            return error
+        if current.writer != fence.writer_id and not isinstance(error, WriterFenced):
+            try:
+                fence.check(ctx.shared, f"commit step {self.step}")
+            except WriterFenced as fenced:
+                fenced.__cause__ = error
+                return fenced
+        return error
 
     def _write_shared(self, what: str, path: str, data: bytes) -> None:
         t0 = time.perf_counter()

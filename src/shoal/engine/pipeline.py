@@ -7,6 +7,10 @@ failure marks that checkpoint failed at the boundary it was working towards, is
 logged and written to the event log, and leaves every earlier checkpoint and the
 next one untouched: nothing is committed, ``LATEST`` does not move, and a partial
 pack it may have left is reclaimed by retention later.
+
+Retention on the shared tier runs on the coordinator only while this process holds
+the job (:class:`~shoal.engine.fence.WriterFence`), and leaves the steps of other
+writers alone (:func:`~shoal.engine.retention.plan_retention`).
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ import threading
 import time
 
 from shoal.boundary import Boundary
+from shoal.engine.fence import WriterFence
 from shoal.engine.group_save import GroupSave, PipelineContext, SaveJob
 from shoal.engine.handle import SaveHandle
-from shoal.engine.retention import apply_retention, pack_ids_on, plan_retention
+from shoal.engine.retention import apply_retention, latest_step, pack_ids_on, plan_retention
 from shoal.engine.stager import SlotRing
-from shoal.engine.store import list_checkpoints, read_pointer
-from shoal.format import layout
+from shoal.engine.store import list_checkpoints
+from shoal.errors import WriterFenced
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -123,13 +128,22 @@ class Pipeline:
         in_flight = [s for s in self.in_flight() if s != step]
         horizon = min([step, *(s - 1 for s in in_flight)])
         work: list[tuple[Tier, bool]] = []
+        writer: str | None = None
         if ctx.fabric.is_coordinator:
-            work.append((ctx.shared, False))
+            writer = self._shared_writer(step)
+            if writer is not None:
+                work.append((ctx.shared, False))
         if ctx.is_host_leader and ctx.host_tier is not None:
             work.append((ctx.host_tier, True))
         for tier, host_tier in work:
             try:
-                freed, dropped = run_retention(tier, self.keep_last, horizon, manifests_are_commits=host_tier)
+                freed, dropped = run_retention(
+                    tier,
+                    self.keep_last,
+                    horizon,
+                    manifests_are_commits=host_tier,
+                    writer=None if host_tier else writer,
+                )
             except Exception as e:
                 log.warning(
                     "retention on %s after step %d failed (nothing unsafe was deleted): %s", tier.url, step, e
@@ -141,28 +155,67 @@ class Pipeline:
             if freed or dropped:
                 ctx.events.emit("retention", step, tier=tier.kind, freed_bytes=freed, packs=len(dropped))
 
+    def _shared_writer(self, step: int) -> str | None:
+        """The writer id retention on shared runs for, or None (with a warning) if this process is fenced."""
+        ctx = self.context
+        fence = ctx.writer
+        if not isinstance(fence, WriterFence):
+            log.warning(
+                "retention on %s after step %d skipped: this process holds no writer claim",
+                ctx.shared.url,
+                step,
+            )
+            return None
+        try:
+            fence.check(ctx.shared, "run retention")
+        except WriterFenced as e:
+            log.warning(
+                "retention on %s after step %d skipped (nothing deleted): %s", ctx.shared.url, step, e
+            )
+            return None
+        except Exception as e:
+            log.warning(
+                "retention on %s after step %d skipped (nothing deleted): the writer record could not be "
+                "read: %s",
+                ctx.shared.url,
+                step,
+                e,
+            )
+            return None
+        return fence.writer_id
+
 
 def run_retention(
-    tier: Tier, keep_last: int | None, horizon: int, *, manifests_are_commits: bool = False
+    tier: Tier,
+    keep_last: int | None,
+    horizon: int,
+    *,
+    manifests_are_commits: bool = False,
+    writer: str | None = None,
 ) -> tuple[int, tuple[str, ...]]:
     """One retention pass over ``tier``: keep the ``keep_last`` newest committed checkpoints.
 
     Returns bytes freed and the pack ids deleted. Steps newer than ``horizon`` (in
     flight) and their packs are never touched. Host tiers hold no commit records:
     with ``manifests_are_commits`` a readable manifest counts as committed there.
+    ``writer``: the id of the writer that holds the job (shared tier); the steps other
+    writers committed are left alone. Damaged steps (unreadable manifest, a commit record
+    without its manifest or not matching it) are removed when older than every kept step,
+    and otherwise protect the packs they could reference.
     """
     infos = list_checkpoints(tier)
     if manifests_are_commits:
         committed = [i.step for i in infos if i.manifest is not None]
     else:
         committed = [i.step for i in infos if i.boundary == Boundary.RESTARTABLE]
-    latest = read_pointer(tier, layout.LATEST)
     plan = plan_retention(
         committed=committed,
         manifests={i.step: i.manifest for i in infos},
-        latest=latest.step if latest else None,
+        latest=latest_step(tier),
         keep_last=keep_last,
         pack_ids=pack_ids_on(tier),
         horizon=horizon,
+        writer=writer,
+        problems={i.step: i.problem for i in infos if i.problem},
     )
     return apply_retention(tier, plan), plan.delete_packs

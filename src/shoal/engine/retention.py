@@ -3,8 +3,23 @@
 The plan is a pure function of what the tier holds; ``apply_retention`` does the
 deletes in a crash-safe order: a step's commit record, then its manifest, then
 packs no remaining manifest references. A pack written for a step newer than
-``horizon`` may belong to a checkpoint in flight and is never touched, and if
-any manifest cannot be read no pack is deleted at all (its references are unknown).
+``horizon`` may belong to a checkpoint in flight and is never touched.
+
+Damage does not stop the collection (DESIGN.md section 11). A *damaged* step is one
+whose manifest cannot be used: unreadable or malformed, missing under a commit
+record (two writers leave that), or not the one its commit record names.
+
+* A damaged step older than every kept step (and not newer than ``horizon``) is
+  removed like any other old step.
+* A damaged step inside the retained window, or newer than ``horizon`` (possibly
+  being written), is kept, and protects the packs it could reference: those written
+  for its step or earlier (a pack id starts with its step). Other packs are judged as
+  usual.
+
+Steps another writer committed (a manifest whose ``writer`` is not the one
+retention runs for) are left alone: they are never deleted, do not count toward
+``keep_last``, and the packs they reference stay. Manifests without a writer (older
+format) count as the writer's own.
 """
 
 from __future__ import annotations
@@ -13,7 +28,10 @@ import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
+from shoal.engine.store import read_pointer
+from shoal.errors import FormatError
 from shoal.format import layout
 from shoal.format.manifest import Manifest
 from shoal.tiers.base import Tier
@@ -22,11 +40,30 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class DamagedStep:
+    """A step retention found damaged, and what it does with it."""
+
+    step: int
+    problem: str
+    removed: bool
+    """True: deleted (older than every kept step). False: kept, protecting packs of steps <= ``step``."""
+
+    def describe(self) -> str:
+        action = "removed" if self.removed else f"kept, protecting packs of steps <= {self.step}"
+        return f"step {self.step} is damaged ({self.problem}): {action}"
+
+
+@dataclass(frozen=True)
 class RetentionPlan:
     keep_steps: tuple[int, ...]
     delete_steps: tuple[int, ...]
     delete_packs: tuple[str, ...]
     reason: str = ""
+    """Why packs were left alone that might be garbage (damaged steps kept); empty if none."""
+    damaged: tuple[DamagedStep, ...] = ()
+    """Every damaged step, in step order, and whether it is deleted (then also in ``delete_steps``)."""
+    foreign_steps: tuple[int, ...] = ()
+    """Steps another writer committed: left alone, with the packs they reference."""
 
 
 def plan_retention(
@@ -37,48 +74,75 @@ def plan_retention(
     keep_last: int | None,
     pack_ids: Iterable[str],
     horizon: int,
+    writer: str | None = None,
+    problems: Mapping[int, str] | None = None,
 ) -> RetentionPlan:
     """Decide what to delete.
 
     Args:
         committed: steps with a commit record.
-        manifests: every step on the tier -> its manifest, or None if unreadable.
+        manifests: every step on the tier -> its manifest, or None if it cannot be used (damaged).
         latest: the step ``LATEST`` names (always kept).
         keep_last: committed checkpoints to keep, newest steps first (None: all; 0: none but ``latest``).
         pack_ids: every pack id present on the tier.
         horizon: the newest step whose packs may be judged; newer ones may be in flight.
+        writer: the writer retention runs for; steps whose manifest names another are left alone
+            (None: every step counts as the writer's own).
+        problems: step -> what is wrong with it, for damaged steps (for messages only).
     """
     if keep_last is not None and keep_last < 0:
         raise ValueError(f"keep_last must be None or >= 0, got {keep_last}")
-    committed = sorted(set(committed))
-    # Not committed[-keep_last:]: with keep_last == 0 that slice is the whole list.
-    keep = set(committed if keep_last is None else committed[max(0, len(committed) - keep_last) :])
-    if latest is not None:
-        keep.add(latest)
-    # An uncommitted step with an unreadable manifest may be torn mid-write by a live writer: left alone.
-    delete = sorted(
+    problems = problems or {}
+    foreign = {
         s
         for s, m in manifests.items()
-        if s not in keep and s <= horizon and (s in committed or m is not None)
+        if m is not None and writer is not None and m.writer is not None and m.writer != writer
+    }
+    ours = sorted(set(committed) - foreign)
+    # Not ours[-keep_last:]: with keep_last == 0 that slice is the whole list.
+    keep = set(ours if keep_last is None else ours[max(0, len(ours) - keep_last) :])
+    if latest is not None:
+        keep.add(latest)
+    window = min(keep, default=None)
+    damaged = tuple(
+        DamagedStep(
+            s, problems.get(s) or "unreadable manifest", s <= horizon and (window is None or s < window)
+        )
+        for s in sorted(s for s, m in manifests.items() if m is None)
+    )  # a kept one (s in keep) is never removed: window <= s
+    delete = sorted(
+        {d.step for d in damaged if d.removed}
+        | {s for s, m in manifests.items() if m is not None and s not in keep | foreign and s <= horizon}
     )
     doomed_steps = set(delete)
-    remaining = [s for s in manifests if s not in doomed_steps]
-    if any(manifests[s] is None for s in remaining):
-        bad = [s for s in remaining if manifests[s] is None]
-        return RetentionPlan(
-            tuple(sorted(keep)), tuple(delete), (), f"unreadable manifests for steps {bad}: packs left alone"
-        )
     referenced: set[str] = set()
-    for s in remaining:
-        m = manifests[s]
-        assert m is not None
-        referenced.update(m.packs)
+    protected_through = -1
+    for s, m in manifests.items():
+        if s in doomed_steps:
+            continue
+        if m is None:
+            protected_through = max(protected_through, s)  # it could reference any pack written by then
+        else:
+            referenced.update(m.packs)
     doomed = []
     for pid in sorted(set(pack_ids)):
         ps = layout.pack_step(pid)
-        if pid not in referenced and ps is not None and ps <= horizon:
+        if pid not in referenced and ps is not None and protected_through < ps <= horizon:
             doomed.append(pid)
-    return RetentionPlan(tuple(sorted(keep)), tuple(delete), tuple(doomed))
+    reason = "; ".join(d.describe() for d in damaged if not d.removed)
+    return RetentionPlan(
+        tuple(sorted(keep)), tuple(delete), tuple(doomed), reason, damaged, tuple(sorted(foreign))
+    )
+
+
+def latest_step(tier: Tier) -> int | None:
+    """The step ``LATEST`` names on ``tier``, or None if there is none or it is unreadable (logged)."""
+    try:
+        pointer = read_pointer(tier, layout.LATEST)
+    except FormatError as e:
+        log.warning("retention on %s: %s; going on without it", tier.url, e)
+        return None
+    return None if pointer is None else pointer.step
 
 
 def pack_ids_on(tier: Tier) -> list[str]:
@@ -92,12 +156,28 @@ def pack_ids_on(tier: Tier) -> list[str]:
     return sorted(ids)
 
 
+@runtime_checkable
+class RemovesEmptyDirs(Protocol):
+    """A tier whose directories are real (a POSIX file system) and can drop the empty ones."""
+
+    def remove_empty_dirs(self, prefix: str) -> None:
+        """Remove the empty directories at and below ``prefix`` (a relative directory path)."""
+        ...
+
+
 def apply_retention(tier: Tier, plan: RetentionPlan) -> int:
-    """Delete what ``plan`` says; return bytes of packs freed."""
+    """Delete what ``plan`` says; return bytes of packs freed.
+
+    Called by the pipeline after each commit (coordinator on shared, host leaders on
+    their tier) and by ``shoal gc``. Emptied step directories are removed where the tier
+    has directories (:class:`RemovesEmptyDirs`).
+    """
     for step in plan.delete_steps:
         tier.delete(layout.commit_path(step))
         for path in tier.list(layout.step_dir(step) + "/"):
             tier.delete(path)
+        if isinstance(tier, RemovesEmptyDirs):
+            tier.remove_empty_dirs(layout.step_dir(step))
     freed = 0
     for pid in plan.delete_packs:
         with contextlib.suppress(FileNotFoundError):
@@ -112,6 +192,25 @@ def apply_retention(tier: Tier, plan: RetentionPlan) -> int:
             len(plan.delete_packs),
             freed,
         )
-    if plan.reason:
+    if plan.damaged:
+        log.warning("retention on %s: %s", tier.url, "; ".join(d.describe() for d in plan.damaged))
+    elif plan.reason:
         log.warning("retention on %s: %s", tier.url, plan.reason)
+    if plan.foreign_steps:
+        log.info(
+            "retention on %s: steps %s were committed by another writer: left alone, with their packs",
+            tier.url,
+            list(plan.foreign_steps),
+        )
     return freed
+
+
+__all__ = [
+    "DamagedStep",
+    "RemovesEmptyDirs",
+    "RetentionPlan",
+    "apply_retention",
+    "latest_step",
+    "pack_ids_on",
+    "plan_retention",
+]

@@ -17,6 +17,7 @@ fsspec's global caches, and listings always reflect what other hosts wrote.
 from __future__ import annotations
 
 import datetime as dt
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -218,6 +219,23 @@ class FsspecTier(Tier):
         target = self._abs(path)
         with self._wrap("delete", path), suppress(FileNotFoundError):
             self.fs.rm_file(target)
+
+    def remove_empty_dirs(self, prefix: str) -> None:
+        """Remove the empty directories at and below ``prefix`` (a relative directory path).
+
+        Retention calls it after deleting a step's files, so that ``steps/`` does not fill
+        with empty directories. Only a mounted file system has directories to remove; on an
+        object store this does nothing. Symbolic links are never followed or removed.
+        """
+        if not isinstance(self.fs, LocalFileSystem):
+            return
+        top = self._abs(prefix.rstrip("/"))
+        if os.path.islink(top) or not os.path.isdir(top):
+            return
+        with self._wrap("remove empty directories under", prefix):
+            for directory, _, _ in os.walk(top, topdown=False):
+                with suppress(OSError):  # not empty (or gone): leave it
+                    os.rmdir(directory)
 
 
 def _mtime(info: Mapping[str, Any]) -> float:

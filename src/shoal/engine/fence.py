@@ -1,0 +1,191 @@
+"""Writer fencing: one process at a time commits into a job on shared storage (DESIGN.md section 11).
+
+Two processes that save under one ``Config.job`` into one shared root (a job name used
+twice, on two machines) would otherwise interleave their commits, move ``LATEST`` back
+and forth and delete each other's packs. The job's ``WRITER`` record names the process
+allowed to commit::
+
+    <shared>/<job>/WRITER   {"format": "shoal-writer/1", "writer": "<16 hex>", "host": "...",
+                             "pid": N, "claimed": <unix time>}
+
+Who calls what, all on the coordinator (rank 0), from the pipeline thread:
+
+* :meth:`WriterFence.claim` by :class:`~shoal.engine.group_save.GroupSave` before the first
+  commit of the process (never at construction: a process that only loads must not fence
+  the trainer). The newest claim wins: it overwrites the record of the writer before it.
+* :meth:`WriterFence.check` before the manifest, the ``COMMIT`` record and the ``LATEST``
+  move of every checkpoint, and by the pipeline before each retention pass on the shared
+  tier. It raises :class:`~shoal.errors.WriterFenced` once another writer holds the job, or
+  when the record is missing or malformed: a writer that cannot prove it holds the job
+  writes nothing more into it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import secrets
+import time
+from dataclasses import dataclass
+
+from shoal.errors import FormatError, MissingFile, ShoalError, WriterFenced
+from shoal.format import layout
+from shoal.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+WRITER_FORMAT = "shoal-writer/1"
+_WRITER_ID = re.compile(r"[0-9a-f]{16}")
+_MAX_HOST = 255
+
+__all__ = ["WRITER_FORMAT", "WriterFence", "WriterRecord", "decode_writer", "read_writer"]
+
+
+@dataclass(frozen=True)
+class WriterRecord:
+    """The content of a job's ``WRITER`` record: who claimed the job, where and when."""
+
+    writer: str
+    host: str
+    pid: int
+    claimed: float
+
+    def encode(self) -> bytes:
+        doc = {
+            "format": WRITER_FORMAT,
+            "writer": self.writer,
+            "host": self.host,
+            "pid": self.pid,
+            "claimed": self.claimed,
+        }
+        return json.dumps(doc).encode()
+
+    def describe(self) -> str:
+        """``writer 0123abcd... (host 'a', pid 42, claimed 2024-05-01 12:00:00 UTC)``, for messages."""
+        return f"writer {self.writer} (host {self.host!r}, pid {self.pid}, claimed {_when(self.claimed)})"
+
+
+def _when(t: float) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+    except (OverflowError, OSError, ValueError):
+        return f"at unix time {t!r}"
+
+
+def decode_writer(data: bytes, where: str) -> WriterRecord:
+    """Parse and validate a ``WRITER`` record; any problem is a :class:`~shoal.errors.FormatError`."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise FormatError(f"writer record {where} is not valid JSON (truncated or corrupted?): {e}") from e
+    if not isinstance(doc, dict):
+        raise FormatError(f"writer record {where}: expected a JSON object, got {type(doc).__name__}")
+    fmt = doc.get("format")
+    if fmt != WRITER_FORMAT:
+        raise FormatError(f"writer record {where}: format is {fmt!r}, expected {WRITER_FORMAT!r}")
+    writer, host, pid, claimed = (doc.get(k) for k in ("writer", "host", "pid", "claimed"))
+    if not isinstance(writer, str) or not _WRITER_ID.fullmatch(writer):
+        raise FormatError(f"writer record {where}: writer {writer!r} is not 16 lowercase hex digits")
+    if not isinstance(host, str) or not 0 < len(host) <= _MAX_HOST:
+        raise FormatError(
+            f"writer record {where}: host {host!r} is not a name of 1 to {_MAX_HOST} characters"
+        )
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid < 0:
+        raise FormatError(f"writer record {where}: pid {pid!r} is not a non-negative integer")
+    if isinstance(claimed, bool) or not isinstance(claimed, int | float) or not math.isfinite(claimed):
+        raise FormatError(f"writer record {where}: claimed {claimed!r} is not a time")
+    return WriterRecord(writer, host, pid, float(claimed))
+
+
+def read_writer(shared: Tier) -> WriterRecord | None:
+    """The job's ``WRITER`` record, or None if there is none; FormatError if it is malformed."""
+    try:
+        data = shared.read_small(layout.WRITER, layout.MAX_POINTER_BYTES, "writer record")
+    except MissingFile:
+        return None
+    return decode_writer(data, f"{shared.url}/{layout.WRITER}")
+
+
+class WriterFence:
+    """This process's claim on a job (the coordinator's ``PipelineContext.writer``).
+
+    Create it with :meth:`claim`. ``superseded_by`` is set by :meth:`check` once another
+    writer's record was seen, and never cleared: a writer that lost the job does not get it
+    back (the process must be restarted, under another ``Config.job`` or shared root).
+    """
+
+    def __init__(self, record: WriterRecord) -> None:
+        self.record = record
+        self.superseded_by: WriterRecord | None = None
+
+    @property
+    def writer_id(self) -> str:
+        return self.record.writer
+
+    @classmethod
+    def claim(cls, shared: Tier, *, host: str, pid: int) -> WriterFence:
+        """Write a fresh ``WRITER`` record on ``shared`` (the newest claim wins) and return the fence.
+
+        A record left by another writer is replaced, with a warning naming it: that writer's
+        next commit fails with :class:`~shoal.errors.WriterFenced`.
+        """
+        try:
+            previous = read_writer(shared)
+        except FormatError as e:
+            log.warning("replacing the unreadable writer record of %s: %s", shared.url, e)
+            previous = None
+        record = WriterRecord(secrets.token_hex(8), host, pid, time.time())
+        shared.write(layout.WRITER, record.encode())
+        if previous is not None:
+            log.warning(
+                "%s: this process (host %r, pid %d) takes over the job from %s; that writer commits "
+                "nothing more. Two jobs writing with the same Config.job into one shared root? Give "
+                "one of them another Config.job or shared root.",
+                shared.url,
+                host,
+                pid,
+                previous.describe(),
+            )
+        else:
+            log.info("%s: claimed the job as %s", shared.url, record.describe())
+        return cls(record)
+
+    def holder(self, shared: Tier) -> WriterRecord | None:
+        """Who holds the job now, read from ``shared`` (None: no record; FormatError: malformed)."""
+        return read_writer(shared)
+
+    def check(self, shared: Tier, action: str = "commit") -> None:
+        """Raise :class:`~shoal.errors.WriterFenced` unless ``shared``'s record still names this writer.
+
+        ``action`` says what was about to happen (``"commit step 5"``), for the message.
+        I/O errors reading the record propagate as they are (:class:`~shoal.errors.TierError`).
+        """
+        where = f"{shared.url}/{layout.WRITER}"
+        me = self.record.describe()
+        try:
+            current = self.holder(shared)
+        except ShoalError as e:
+            if isinstance(e, FormatError):
+                raise WriterFenced(
+                    f"will not {action} in {shared.url}: its writer record is unreadable ({e}), so this "
+                    f"process ({me}) cannot tell whether another job writes there. If two jobs use the "
+                    f"same Config.job and shared root, give one of them another; if not, delete {where} "
+                    "and this process claims the job again at its next save."
+                ) from e
+            raise
+        if current is None:
+            raise WriterFenced(
+                f"will not {action} in {shared.url}: its writer record {where} is missing (was the job "
+                f"directory removed?), so this process ({me}) cannot tell whether another job writes "
+                "there. If two jobs use the same Config.job and shared root, give one of them another "
+                "Config.job or shared root."
+            )
+        if current.writer != self.record.writer:
+            self.superseded_by = current
+            raise WriterFenced(
+                f"will not {action} in {shared.url}: {current.describe()} holds the job now, not this "
+                f"process ({me}). Two jobs are writing with the same Config.job into the same shared "
+                "root; this one commits nothing more. Give one of them another Config.job or shared root."
+            )
