@@ -24,6 +24,8 @@ import ctypes
 import dataclasses
 import io
 import os
+import pickle
+import re
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
@@ -49,28 +51,14 @@ from shoal.engine.handle import SaveHandle
 from shoal.engine.restore import LoadReport, Restore
 from shoal.engine.stager import StageEntry
 from shoal.errors import FormatError
+from shoal.format.crosscheck import check_metadata, item_dtype, item_key
 from shoal.format.dcp_codec import decode_metadata
 from shoal.format.manifest import ItemRecord, Manifest
-from shoal.format.names import check_item_key
 
 if TYPE_CHECKING:
     from shoal.checkpointer import Checkpointer
 
 __all__ = ["SavePlanner", "StorageReader", "StorageWriter", "item_key"]
-
-
-def item_key(index: MetadataIndex, *, sharded: bool) -> str:
-    """The shoal item key of a DCP write item: its FQN, plus ``@<offsets>`` for a tensor shard.
-
-    >>> item_key(MetadataIndex("w", torch.Size([4, 0])), sharded=True)
-    'w@4_0'
-    """
-    key = (
-        index.fqn
-        if not sharded or index.offset is None
-        else f"{index.fqn}@{'_'.join(map(str, index.offset))}"
-    )
-    return check_item_key(key)
 
 
 def _is_shard(item: WriteItem) -> bool:
@@ -208,13 +196,6 @@ class StorageWriter(_DcpStorageWriter):
         return False
 
 
-def _dtype(name: str | None, key: str) -> torch.dtype:
-    dtype = getattr(torch, name or "", None)
-    if not isinstance(dtype, torch.dtype):
-        raise FormatError(f"item {key!r}: {name!r} is not a torch dtype known to this torch")
-    return dtype
-
-
 def _writable_view(tensor: torch.Tensor) -> memoryview | None:
     """A byte view of a contiguous CPU tensor's memory, or None if it has no such view."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
@@ -234,6 +215,17 @@ class StorageReader(_DcpStorageReader):
     copy is replaced by another. Resharding works: reads are DCP's offsets and lengths into
     saved items. After ``dcp.load`` returns, :attr:`step` is the step loaded and
     :attr:`report` says which sources served it.
+
+    Trust (DESIGN.md section 11): before a byte is read, the manifest is checked against its
+    own DCP metadata (:mod:`shoal.format.crosscheck`: kind, dtype, shape and size of every
+    item), on every rank alike. Non-tensor items are unpickled with
+    ``torch.load(weights_only=True)`` unless ``Config.allow_pickle`` (see :func:`_safe_payload`).
+
+    Errors: DCP's ``dcp.load`` turns any exception from ``read_metadata`` into its own
+    ``AssertionError("metadata is None ...")``. So ``read_metadata`` never raises: it keeps the
+    error (a missing checkpoint, a malformed manifest) and returns an empty ``Metadata``, and
+    ``set_up_storage_reader`` (DCP's next call into the reader, on every rank) raises the
+    error itself, as a :class:`~shoal.errors.ShoalError`.
     """
 
     def __init__(
@@ -246,6 +238,10 @@ class StorageReader(_DcpStorageReader):
         self.step = step if manifest is None else manifest.step
         self._requested = step
         self.report: LoadReport | None = None
+        self._checked: Metadata | None = None
+        self._error: Exception | None = None
+        if manifest is not None:  # chosen already (Checkpointer.load): refuse it before DCP starts
+            self._checked = _checked_metadata(manifest)
 
     @property
     def bytes_read(self) -> int:
@@ -265,17 +261,26 @@ class StorageReader(_DcpStorageReader):
         return self._restore.manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        manifest = self._manifest()
-        if manifest.dcp is None:
-            raise FormatError(
-                f"step {manifest.step} was not saved through DCP: its manifest has no DCP metadata"
-            )
-        self.step = manifest.step
-        return decode_metadata(manifest.dcp)
+        """Collective: choose the checkpoint; its DCP metadata, checked against the manifest.
+
+        Never raises (DCP would hide the error): see the class docstring.
+        """
+        if self._checked is not None or self._error is not None:  # DCP may ask twice
+            return self._checked or Metadata(state_dict_metadata={})
+        try:
+            manifest = self._manifest()
+            self.step = manifest.step
+            self._checked = _checked_metadata(manifest)
+        except Exception as e:
+            self._error = e
+            return Metadata(state_dict_metadata={})
+        return self._checked
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        if self._error is not None:
+            raise self._error
         self._metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -304,8 +309,10 @@ class StorageReader(_DcpStorageReader):
         dests: dict[str, memoryview] = {}
         finishers: list[Any] = []
         if problem is None:
+            allow_pickle = self.checkpointer.config.allow_pickle
             for key, items in groups.items():
-                finishers.append(_prepare_item(manifest.items[key], items, planner, dests))
+                rec = manifest.items[key]
+                finishers.append(_prepare_item(rec, manifest.step, items, planner, dests, allow_pickle))
         # Collective: every rank takes part, even with nothing to read or a bad plan.
         self.report = self._restore.fetch(dests, problem=problem)
         for finish in finishers:
@@ -319,8 +326,61 @@ class StorageReader(_DcpStorageReader):
         return False
 
 
+def _checked_metadata(manifest: Manifest) -> Metadata:
+    """``manifest``'s DCP metadata, decoded and checked against its items (FormatError if not)."""
+    if manifest.dcp is None:
+        raise FormatError(f"step {manifest.step} was not saved through DCP: its manifest has no DCP metadata")
+    metadata = decode_metadata(manifest.dcp)
+    check_metadata(manifest, metadata)
+    return metadata
+
+
+_REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+def _safe_payload(data: bytes | bytearray | memoryview, key: str, step: int) -> bytes:
+    """The ``torch.save`` payload of a non-tensor item, rebuilt from what the safe unpickler accepts.
+
+    DCP hands a non-tensor item's bytes to ``planner.load_bytes``, and DCP's planners (and most
+    others) unpickle them with ``torch.load(weights_only=False)``: a checkpoint anyone could
+    write would run their code. So shoal unpickles the bytes first with
+    ``torch.load(weights_only=True)`` (tensors, containers, numbers, strings and the classes
+    the user allowed with ``torch.serialization.add_safe_globals``), pickles the object it got
+    again with ``torch.save``, and hands *that* to the planner. The planner's unpickler then
+    sees only objects the safe unpickler built, so this works with any planner, unchanged.
+    The price is one more serialisation of these (usually small) items.
+
+    Raises :class:`~shoal.errors.FormatError` naming item ``key`` and ``step`` when the safe
+    unpickler refuses the bytes (saying how to opt in) or they are not a ``torch.save`` payload.
+    """
+    try:
+        obj = torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = _REFUSED_GLOBAL.search(str(e))
+        what = f"{found.group(1)} is not an allowed global" if found else str(e).splitlines()[0][:200]
+        raise FormatError(
+            f"item {key!r} of step {step}: the safe unpickler (torch.load(weights_only=True)) refuses it: "
+            f"{what}. If you trust whoever could write this checkpoint, load it with "
+            "shoal.Config(allow_pickle=True) (unsafe: unpickling runs code the writer chose), or allow "
+            "that class with torch.serialization.add_safe_globals"
+        ) from e
+    except Exception as e:
+        raise FormatError(
+            f"item {key!r} of step {step}: {len(data)} bytes that are not a torch.save payload: "
+            f"{type(e).__name__}: {str(e)[:200]}"
+        ) from e
+    out = io.BytesIO()
+    torch.save(obj, out)
+    return out.getvalue()
+
+
 def _prepare_item(
-    rec: ItemRecord, items: list[ReadItem], planner: LoadPlanner, dests: dict[str, memoryview]
+    rec: ItemRecord,
+    step: int,
+    items: list[ReadItem],
+    planner: LoadPlanner,
+    dests: dict[str, memoryview],
+    allow_pickle: bool,
 ) -> Any:
     """Choose where item ``rec``'s bytes land (``dests[key]``); return what completes the reads after."""
     if rec.kind == "bytes":
@@ -329,11 +389,12 @@ def _prepare_item(
             dests[rec.key] = memoryview(buf)
 
         def finish_bytes() -> None:
+            payload = buf if allow_pickle else _safe_payload(buf, rec.key, step)
             for ri in items:
-                planner.load_bytes(ri, io.BytesIO(buf))
+                planner.load_bytes(ri, io.BytesIO(payload))
 
         return finish_bytes
-    dtype = _dtype(rec.dtype, rec.key)
+    dtype = item_dtype(rec.dtype, rec.key)
     shape = tuple(rec.shape or ())
     targets = [planner.resolve_tensor(ri).detach() for ri in items]
     direct: int | None = None
