@@ -336,6 +336,17 @@ def _checked_metadata(manifest: Manifest) -> Metadata:
 
 
 _REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+_UNPICKLER_ERROR = re.compile(r"WeightsUnpickler error:\s*([^\n]+)")
+
+
+def _refusal(message: str) -> str:
+    """What torch's (long, multi-line) weights-only refusal says was wrong, in a few words."""
+    found = _REFUSED_GLOBAL.search(message)
+    if found:
+        return f"{found.group(1)} is not an allowed global"
+    reason = _UNPICKLER_ERROR.search(message)
+    lines = [reason.group(1)] if reason else message.strip().splitlines()
+    return lines[0].strip()[:200] if lines and lines[0].strip() else "no reason given"
 
 
 def _safe_payload(data: bytes | bytearray | memoryview, key: str, step: int) -> bytes:
@@ -356,13 +367,11 @@ def _safe_payload(data: bytes | bytearray | memoryview, key: str, step: int) -> 
     try:
         obj = torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as e:
-        found = _REFUSED_GLOBAL.search(str(e))
-        what = f"{found.group(1)} is not an allowed global" if found else str(e).splitlines()[0][:200]
         raise FormatError(
             f"item {key!r} of step {step}: the safe unpickler (torch.load(weights_only=True)) refuses it: "
-            f"{what}. If you trust whoever could write this checkpoint, load it with "
-            "shoal.Config(allow_pickle=True) (unsafe: unpickling runs code the writer chose), or allow "
-            "that class with torch.serialization.add_safe_globals"
+            f"{_refusal(str(e))}. If you trust whoever could write this checkpoint, load it with "
+            "shoal.Config(allow_pickle=True) (unsafe: unpickling runs code the writer chose), "
+            "or allow its class with torch.serialization.add_safe_globals"
         ) from e
     except Exception as e:
         raise FormatError(

@@ -93,8 +93,13 @@ def check_metadata(manifest: Manifest, metadata: Metadata) -> None:
     if not isinstance(storage, Mapping):
         raise FormatError(f"{where}: DCP storage_data is a {type(storage).__name__}, expected a mapping")
     chunks_of: dict[str, dict[tuple[int, ...], list[ChunkStorageMetadata]]] = {}
-    for fqn, md in state.items():
+    for fqn, md in state.items():  # DCP's own metadata first: each tensor's chunks tile it
+        if not isinstance(md, TensorStorageMetadata | BytesStorageMetadata):
+            raise FormatError(
+                f"{where}: DCP entry {fqn!r} is a {type(md).__name__}, not tensor or bytes metadata"
+            )
         if isinstance(md, TensorStorageMetadata):
+            _check_tiling(fqn, md, where)
             by_offsets = chunks_of.setdefault(fqn, {})
             for c in md.chunks:
                 by_offsets.setdefault(tuple(c.offsets), []).append(c)
@@ -115,7 +120,6 @@ def check_metadata(manifest: Manifest, metadata: Metadata) -> None:
                     f"{where}: DCP tensor {fqn!r}: the chunk at offsets {list(chunk.offsets)} "
                     f"(sizes {list(chunk.sizes)}) has no storage_data entry: no item holds its bytes"
                 )
-        _check_tiling(fqn, md, where)
     for key in manifest.items:
         if key not in named:
             raise FormatError(
@@ -155,8 +159,6 @@ def _check_entry(
                 f"its DCP metadata says 'bytes' ({index.fqn!r} is not a tensor)"
             )
         return
-    if not isinstance(md, TensorStorageMetadata):
-        raise FormatError(f"{where}: DCP entry {index.fqn!r} is a {type(md).__name__}")
     if rec.kind != "tensor":
         raise FormatError(
             f"{where}: item {key!r}: the manifest says kind {rec.kind!r}, "
