@@ -445,3 +445,14 @@ def test_the_installed_command_prints_no_traceback_on_damaged_checkpoints(job, t
     )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout.splitlines()[-1].startswith("FAILED: 1 problem(s)")
+
+
+def test_export_to_a_directory_that_cannot_be_made_says_so(job, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code, out, err = run(capsys, "export", str(job), "--format", "dcp", str(blocker / "out"))
+    assert code == 2 and out == ""
+    assert (
+        err
+        == f"shoal export: error: cannot create the output directory {blocker / 'out'}: Not a directory; choose another\n"
+    )

@@ -151,7 +151,11 @@ def output_dir(out_dir: Path, stale: Iterable[str], *, overwrite: bool) -> Itera
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise CliError(f"{out_dir} is not empty; choose an empty directory or pass --overwrite")
     created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise CliError(f"cannot create the output directory {out_dir}: {reason}; choose another") from e
     for name in stale:
         (out_dir / name).unlink(missing_ok=True)
     written: list[Path] = []
