@@ -452,7 +452,6 @@ def test_export_to_a_directory_that_cannot_be_made_says_so(job, tmp_path, capsys
     blocker.write_text("x")
     code, out, err = run(capsys, "export", str(job), "--format", "dcp", str(blocker / "out"))
     assert code == 2 and out == ""
-    assert (
-        err
-        == f"shoal export: error: cannot create the output directory {blocker / 'out'}: Not a directory; choose another\n"
-    )
+    target = blocker / "out"
+    assert err.startswith(f"shoal export: error: cannot create the output directory {target}: ")
+    assert err.endswith(": Not a directory; choose another\n")
