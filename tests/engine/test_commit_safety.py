@@ -261,7 +261,7 @@ def test_a_missing_writer_record_is_claimed_again_at_the_next_save(
     cfg = _config(tmp_path, dram_root, "a", keep_last=None)
     shared = open_tier("shared", cfg.shared_url())
     _on_failpoint(monkeypatch, "pipeline.before_commit", 2, lambda: shared.delete(layout.WRITER))
-    with shoal.Checkpointer(cfg) as ckpt, caplog.at_level(logging.WARNING, logger="shoal.engine.group_save"):
+    with shoal.Checkpointer(cfg) as ckpt, caplog.at_level(logging.WARNING, logger="shoal.engine.fence"):
         assert _finish(ckpt.save(1, _state(1))).error is None
         first = read_writer(shared)
         handle = _finish(ckpt.save(2, _state(2)))

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from shoal.engine.fence import WRITER_FORMAT, WriterFence, decode_writer, read_writer
-from shoal.errors import FormatError, ShoalError, WriterFenced
+from shoal.engine.fence import WRITER_FORMAT, WriterFence, after_failed_commit, decode_writer, read_writer
+from shoal.errors import FormatError, MissingFile, ShoalError, WriterFenced
 from shoal.format import layout
 from shoal.tiers import open_tier
 from shoal.tiers.base import Tier
@@ -139,3 +139,27 @@ def test_the_first_claim_on_a_job_warns_about_nobody(shared: Tier, caplog: pytes
     with caplog.at_level(logging.WARNING, logger="shoal.engine.fence"):
         WriterFence.claim(shared, host="a", pid=1)
     assert caplog.records == []
+
+
+def test_after_a_failed_commit_a_takeover_is_the_error_to_report(shared: Tier) -> None:
+    mine = WriterFence.claim(shared, host="a", pid=1)
+    WriterFence.claim(shared, host="b", pid=2)
+    cause = MissingFile("packs/x.pack is missing")  # the other writer's retention took a reused pack
+    error, kept = after_failed_commit(mine, shared, cause, "commit step 3")
+    assert isinstance(error, WriterFenced) and "host 'b'" in str(error) and error.__cause__ is cause
+    assert kept is mine and mine.superseded_by is not None
+    # Once superseded, a vanished record gives the job back to nobody: the fence stays.
+    shared.delete(layout.WRITER)
+    error, kept = after_failed_commit(mine, shared, cause, "commit step 4")
+    assert error is cause and kept is mine
+
+
+def test_after_a_failed_commit_a_vanished_record_lets_the_writer_claim_again(shared: Tier) -> None:
+    mine = WriterFence.claim(shared, host="a", pid=1)
+    shared.delete(layout.WRITER)
+    cause = MissingFile("packs/x.pack is missing")
+    error, kept = after_failed_commit(mine, shared, cause, "commit step 3")
+    assert error is cause and kept is None
+    # With the record still ours (another failure), nothing changes.
+    again = WriterFence.claim(shared, host="a", pid=1)
+    assert after_failed_commit(again, shared, cause, "commit step 4") == (cause, again)

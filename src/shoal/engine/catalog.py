@@ -117,3 +117,21 @@ def pack_problems(tier: Tier, packs: Mapping[str, PackRecord]) -> dict[str, str]
     else:
         found = [problem(pid) for pid in ids]
     return {pid: p for pid, p in zip(ids, found, strict=True) if p is not None}
+
+
+def require_packs(tier: Tier, packs: Mapping[str, PackRecord], what: str) -> None:
+    """Raise :class:`~shoal.errors.MissingFile` naming every one of ``packs`` not whole on ``tier``.
+
+    The coordinator calls it before writing a manifest (``what``: "step 5 not committed"),
+    so that B4 is only ever reached over bytes that are there.
+    """
+    problems = pack_problems(tier, packs)
+    if not problems:
+        return
+    shown = list(problems.values())
+    more = f" (and {len(shown) - 10} more)" if len(shown) > 10 else ""
+    raise MissingFile(
+        f"{what}: {len(problems)} of the {len(packs)} packs its manifest references are not whole on "
+        f"{tier.url}: {'; '.join(shown[:10])}{more}. The next save scans {tier.url} again and writes "
+        "their chunks anew."
+    )

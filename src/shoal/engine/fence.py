@@ -40,7 +40,14 @@ WRITER_FORMAT = "shoal-writer/1"
 _WRITER_ID = re.compile(r"[0-9a-f]{16}")
 _MAX_HOST = 255
 
-__all__ = ["WRITER_FORMAT", "WriterFence", "WriterRecord", "decode_writer", "read_writer"]
+__all__ = [
+    "WRITER_FORMAT",
+    "WriterFence",
+    "WriterRecord",
+    "after_failed_commit",
+    "decode_writer",
+    "read_writer",
+]
 
 
 @dataclass(frozen=True)
@@ -171,8 +178,8 @@ class WriterFence:
                 raise WriterFenced(
                     f"will not {action} in {shared.url}: its writer record is unreadable ({e}), so this "
                     f"process ({me}) cannot tell whether another job writes there. If two jobs use the "
-                    f"same Config.job and shared root, give one of them another; if not, delete {where} "
-                    "and this process claims the job again at its next save."
+                    f"same Config.job and shared root, give one of them another; if not, delete {where}: "
+                    "a save that then finds no record lets this process claim the job anew."
                 ) from e
             raise
         if current is None:
@@ -189,3 +196,37 @@ class WriterFence:
                 f"process ({me}). Two jobs are writing with the same Config.job into the same shared "
                 "root; this one commits nothing more. Give one of them another Config.job or shared root."
             )
+
+
+def after_failed_commit(
+    fence: WriterFence, shared: Tier, error: Exception, action: str
+) -> tuple[Exception, WriterFence | None]:
+    """After a failed commit on the coordinator: the error to report, and the fence to keep.
+
+    Called by :class:`~shoal.engine.group_save.GroupSave` with the error that stopped the
+    commit. If another writer holds the job now, :class:`~shoal.errors.WriterFenced` is the
+    error to report, whatever else went wrong (its retention may have deleted the packs
+    this process meant to reuse). If the record is gone (the job directory was removed)
+    and no other writer was ever seen, the fence is dropped (None): the next commit
+    claims the job again, as on a new job. One read of the record.
+    """
+    try:
+        current = fence.holder(shared)
+    except (ShoalError, OSError):
+        return error, fence  # unreadable: keep the fence; the next check says why
+    if current is None:
+        if fence.superseded_by is not None:
+            return error, fence
+        log.warning(
+            "%s has no writer record any more (was the job directory removed?): the next commit "
+            "claims the job again",
+            shared.url,
+        )
+        return error, None
+    if current.writer != fence.writer_id and not isinstance(error, WriterFenced):
+        try:
+            fence.check(shared, action)
+        except WriterFenced as fenced:
+            fenced.__cause__ = error
+            return fenced, fence
+    return error, fence

@@ -47,8 +47,8 @@ import blake3
 
 from shoal import __version__, failpoints
 from shoal.boundary import Boundary
-from shoal.engine.catalog import ChunkCatalog, pack_problems
-from shoal.engine.fence import WriterFence
+from shoal.engine.catalog import ChunkCatalog, pack_problems, require_packs
+from shoal.engine.fence import WriterFence, after_failed_commit
 from shoal.engine.protocol import (
     GroupFailure,
     PipelineContext,
@@ -59,7 +59,7 @@ from shoal.engine.protocol import (
     describe,
 )
 from shoal.engine.staged import STAGED_DIR
-from shoal.errors import ChecksumMismatch, MissingFile, ShoalError, WriterFenced
+from shoal.errors import ChecksumMismatch
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.manifest import (
@@ -463,8 +463,10 @@ class GroupSave:
         """Coordinator: manifest (B3), then ``COMMIT`` and ``LATEST`` (B4). Returns the outcome for C7.
 
         Before the manifest: every pack it references is on the shared tier whole
-        (:meth:`_check_packs`), and this process holds the job (claimed here before its
-        first commit; checked again before ``COMMIT`` and before ``LATEST``).
+        (:func:`~shoal.engine.catalog.require_packs`), and this process holds the job
+        (claimed here before its first commit; checked again before ``COMMIT`` and before
+        ``LATEST``). After a failure, :func:`~shoal.engine.fence.after_failed_commit` says
+        which error to report and whether the claim stands.
         """
         errors = [r for r in results if isinstance(r, str)]
         if errors:
@@ -491,7 +493,7 @@ class GroupSave:
                         packs[loc.pack] = new_packs.get(loc.pack) or ctx.shared_catalog.packs[loc.pack]
             manifest = self._manifest(plan, reports, locations, packs, self._dcp_metadata())
             data = manifest.encode()
-            self._check_packs(packs)
+            require_packs(ctx.shared, packs, f"step {self.step} not committed")
             fence.check(ctx.shared, f"write the manifest of step {self.step}")
             failpoints.hit("pipeline.before_manifest", rank=ctx.rank)
             self._write_shared("manifest", layout.manifest_path(self.step), data)
@@ -514,7 +516,9 @@ class GroupSave:
             return {"reached": Boundary.RESTARTABLE, "error": None}
         except Exception as e:
             ctx.shared_catalog = None  # rebuild from what the tier really holds
-            return {"reached": reached, "error": self._local("commit", self._fence_after_failure(e))}
+            if isinstance(ctx.writer, WriterFence):
+                e, ctx.writer = after_failed_commit(ctx.writer, ctx.shared, e, f"commit step {self.step}")
+            return {"reached": reached, "error": self._local("commit", e)}
 
     def _fence(self) -> WriterFence:
         """This process's claim on the job, made now if this is its first commit (coordinator only)."""
@@ -523,52 +527,6 @@ class GroupSave:
             ctx.writer = WriterFence.claim(ctx.shared, host=ctx.host, pid=os.getpid())
         fence: WriterFence = ctx.writer
         return fence
-
-    def _check_packs(self, packs: Mapping[str, PackRecord]) -> None:
-        """B4 only over bytes that are there: every pack the manifest references, whole, on shared."""
-        problems = pack_problems(self.ctx.shared, packs)
-        if not problems:
-            return
-        shown = list(problems.values())
-        more = f" (and {len(shown) - 10} more)" if len(shown) > 10 else ""
-        raise MissingFile(
-            f"step {self.step} not committed: {len(problems)} of the {len(packs)} packs its manifest "
-            f"references are not whole on {self.ctx.shared.url}: {'; '.join(shown[:10])}{more}. "
-            "The next save scans the shared tier again and writes their chunks anew."
-        )
-
-    def _fence_after_failure(self, error: Exception) -> Exception:
-        """After a failed commit: the error to report, and the fence to keep.
-
-        If another writer holds the job now, that is the error (whatever else went wrong:
-        its retention may have deleted packs this process meant to reuse). If the ``WRITER``
-        record is gone (the job directory was removed) and no other writer was ever seen,
-        the fence is dropped: the next commit claims the job again, as on a new job.
-        """
-        ctx = self.ctx
-        fence = ctx.writer
-        if not isinstance(fence, WriterFence):
-            return error
-        try:
-            current = fence.holder(ctx.shared)
-        except (ShoalError, OSError):
-            return error  # unreadable: keep the fence; the next check says why
-        if current is None:
-            if fence.superseded_by is None:
-                log.warning(
-                    "%s has no writer record any more (was the job directory removed?): the next "
-                    "commit claims the job again",
-                    ctx.shared.url,
-                )
-                ctx.writer = None
-            return error
-        if current.writer != fence.writer_id and not isinstance(error, WriterFenced):
-            try:
-                fence.check(ctx.shared, f"commit step {self.step}")
-            except WriterFenced as fenced:
-                fenced.__cause__ = error
-                return fenced
-        return error
 
     def _write_shared(self, what: str, path: str, data: bytes) -> None:
         t0 = time.perf_counter()
