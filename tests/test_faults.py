@@ -7,6 +7,8 @@ import os
 import shutil
 import threading
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -120,7 +122,7 @@ def test_unsafe_item_names_are_refused_before_anything_is_written(config, key):
     with shoal.Checkpointer(config) as ckpt:
         with pytest.raises(shoal.InvalidName):
             ckpt.save(1, {key: torch.ones(4)})
-        assert ckpt.shared.list() == []
+        assert ckpt.shared.list() == ["RUN"]  # nothing but the run's record, written at construction
         # the refused save released its slot: the next save goes through
         ckpt.save(1, {"fine": torch.ones(4)}).wait(timeout=60)
 
@@ -175,11 +177,22 @@ def test_shared_root_vanishing_mid_save_fails_that_checkpoint_only(config):
         assert_state_equal(out, second)
 
 
-def test_shared_root_not_writable_fails_at_persisted_without_stopping_training(tmp_path, dram_root):
+def test_a_shared_root_that_cannot_be_written_is_reported_when_the_checkpointer_is_built(tmp_path, dram_root):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a regular file where the shared root should be")
     config = make_config(tmp_path, dram_root, shared=str(blocker / "ckpts"))
+    with pytest.raises(shoal.TierError) as info:
+        shoal.Checkpointer(config)
+    assert str(blocker) in str(info.value) and "shared root" in str(info.value)
+
+
+def test_shared_root_lost_mid_run_fails_at_persisted_without_stopping_training(tmp_path, dram_root):
+    config = make_config(tmp_path, dram_root)
     with shoal.Checkpointer(config) as ckpt:
+        shared = Path(config.shared)
+        shared.rename(tmp_path / "shared-gone")
+        shared.write_text("a regular file where the shared root was")
+        blocker = shared
         handle = ckpt.save(1, {"w": torch.ones(10)})
         assert handle.reached == shoal.Boundary.STAGED
         with pytest.raises(shoal.CheckpointFailed):

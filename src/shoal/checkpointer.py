@@ -141,7 +141,8 @@ class Checkpointer:
             rank_hosts, scheme=cfg.partner_scheme, domains=domains, replicate=replicate
         )
         self.dram = DramTier(run_dir(cfg.dram, cfg.job, self.host, run), base=cfg.dram)
-        local = PosixTier(run_dir(cfg.local, cfg.job, self.host, run), base=cfg.local)
+        self.local = local = PosixTier(run_dir(cfg.local, cfg.job, self.host, run), base=cfg.local)
+        """This run's local-disk tier on this host (partner copies, the event log)."""
         record = RunRecord(run, cfg.shared_url(), cfg.job, time.time())
         for root, tier in ((cfg.dram, self.dram), (cfg.local, local)):
             tier.ensure_root()

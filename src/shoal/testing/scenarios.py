@@ -116,8 +116,8 @@ def host_manifests(root: str, step: int, job: str = "test") -> dict[str, bool]:
     out: dict[str, bool] = {}
     for tier_name in ("dram", "local"):
         base = os.path.join(root, tier_name, job)
-        for host in os.listdir(base) if os.path.isdir(base) else []:
-            path = os.path.join(base, host, layout.manifest_path(step))
+        for host, hdir in _run_dirs(base) if os.path.isdir(base) else []:
+            path = os.path.join(hdir, layout.manifest_path(step))
             out[host] = out.get(host, False) or os.path.exists(path)
     return out
 
@@ -290,7 +290,7 @@ def direct_dcp_save(rank: int, world: int, *, root: str) -> dict[str, Any]:
         reader = shoal_dcp.StorageReader(ckpt, 5)
         dcp.load(target, storage_reader=reader)
         assert_state_equal(target, state)
-        replica = os.path.join(root, "dram", "test", ckpt.host, layout.manifest_path(5))
+        replica = os.path.join(ckpt.dram.url, layout.manifest_path(5))
         replica_manifest = os.path.exists(replica)
         return {"handle": _handle_summary(handle), "replica_manifest_in_dram": replica_manifest}
 
@@ -317,13 +317,14 @@ def held_replicas_are_reused(rank: int, world: int, *, root: str) -> dict[str, A
         out["second"] = _handle_summary(second)
         events = ckpt.config.event_log
         host = ckpt.host
+        local_run = ckpt.local.url
     with open(events) as f:  # type: ignore[arg-type]
         rows = [json.loads(line) for line in f]
     out["sent"] = {
         step: sum(r.get("sent_bytes", 0) for r in rows if r["event"] == "replicate" and r["step"] == step)
         for step in (1, 2)
     }
-    with open(os.path.join(root, "local", "test", host, layout.manifest_path(2)), "rb") as f:
+    with open(os.path.join(local_run, layout.manifest_path(2)), "rb") as f:
         manifest = json.loads(f.read())
     out["host"] = host
     out["located"] = len(manifest["locations"])
