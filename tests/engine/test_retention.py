@@ -585,3 +585,16 @@ def test_gc_that_cannot_run_exits_2_without_a_traceback(
     code, out, err = _gc(capsys, tier.url, "--keep-last", "1")
     assert code == 2 and "shoal gc: error: could not list" in err and "Traceback" not in err
     assert out == ""
+
+
+def test_retention_on_a_host_tier_removes_emptied_step_directories(tmp_path: Path) -> None:
+    tier = open_tier("local", str(tmp_path / "local" / "job" / "h0"))
+    for step in range(1, 5):
+        pid = _pid(step)
+        tier.write(layout.pack_path(pid), b"x" * 10)
+        tier.write(layout.index_path(pid), b"[]")
+        tier.write(layout.manifest_path(step), _manifest(step, [pid]).encode())  # no commit records here
+    _, dropped = run_retention(tier, 2, 4, manifests_are_commits=True)
+    assert dropped == (_pid(1), _pid(2))
+    steps = tmp_path / "local" / "job" / "h0" / layout.STEPS_DIR
+    assert sorted(p.name for p in steps.iterdir()) == [f"{3:012d}", f"{4:012d}"]

@@ -470,6 +470,20 @@ class PosixTier(Tier):
         with self._wrap("delete", path), suppress(FileNotFoundError):
             os.unlink(target)
 
+    def remove_empty_dirs(self, prefix: str) -> None:
+        """Remove the empty directories at and below ``prefix`` (a relative directory path).
+
+        Retention calls it after deleting a step's files. A directory that is not empty
+        stays; symbolic links are never followed or removed.
+        """
+        top = self._abs(prefix.rstrip("/"))
+        if os.path.islink(top) or not os.path.isdir(top):
+            return
+        with self._wrap("remove empty directories under", prefix):
+            for directory, _, _ in os.walk(top, topdown=False):
+                with suppress(OSError):  # not empty (or gone): leave it
+                    os.rmdir(directory)
+
 
 def _check_range(offset: int, length: int) -> None:
     if offset < 0 or length < 0:
