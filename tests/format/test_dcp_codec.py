@@ -564,3 +564,56 @@ def test_dict_tag_with_non_string_keys_is_refused() -> None:
     obj["planner_data"] = {"dict": {1: "a"}}
     with pytest.raises(FormatError, match="planner_data: unknown type tag"):
         decode_metadata(obj)
+
+
+def _json_paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    out: list[tuple[Any, ...]] = []
+    for key, child in children:
+        out.append((*prefix, key))
+        out.extend(_json_paths(child, (*prefix, key)))
+    return out
+
+
+_ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+_TAGS = st.sampled_from(["tuple", "dict", "pairs", "size", "float", "storage_info", "type", "extra", "path"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_any_edit_of_encoded_metadata_decodes_or_is_a_format_error(data: st.DataObject) -> None:
+    """Deleting, replacing or renaming any field of real encoded metadata: a Metadata or a FormatError."""
+    storage, entries = _sharded_tensor_entry()
+    md = Metadata(
+        {"st": storage, "blob": BytesStorageMetadata()},
+        planner_data={"st": ("st",), "blob": ("blob",), 3: torch.Size([1]), "nan": math.nan},
+        storage_data=entries | {MetadataIndex("blob"): "blob"},
+        storage_meta=StorageMeta(checkpoint_id=pathlib.Path("/ckpt"), save_id="s"),
+        version="1.0.0",
+    )
+    doc = encode_metadata(md)
+    for _ in range(data.draw(st.integers(1, 3))):
+        paths = _json_paths(doc)
+        if not paths:
+            break
+        path = data.draw(st.sampled_from(paths))
+        parent: Any = doc
+        for p in path[:-1]:
+            parent = parent[p]
+        op = data.draw(st.sampled_from(["delete", "replace", "rename"]))
+        if op == "delete":
+            del parent[path[-1]]
+        elif op == "rename" and isinstance(parent, dict):
+            parent[data.draw(_TAGS | st.text(max_size=4))] = parent.pop(path[-1])
+        else:
+            parent[path[-1]] = data.draw(_ANY_JSON | _TAGS)
+    try:
+        decoded = decode_metadata(doc)
+    except FormatError as e:
+        assert str(e).startswith("dcp metadata: ")
+    else:
+        assert isinstance(decoded, Metadata)
