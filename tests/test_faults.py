@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import threading
-
 from pathlib import Path
 
 import pytest

@@ -37,7 +37,12 @@ def _config(shared: Path, dram: Path, local: Path, **kw: object) -> shoal.Config
 
 @pytest.fixture
 def roots(tmp_path: Path, dram_root: Path) -> dict[str, Path]:
-    return {"dram": dram_root / "shoal", "local": tmp_path / "local", "a": tmp_path / "a", "b": tmp_path / "b"}
+    return {
+        "dram": dram_root / "shoal",
+        "local": tmp_path / "local",
+        "a": tmp_path / "a",
+        "b": tmp_path / "b",
+    }
 
 
 CRASH_AFTER_B1 = textwrap.dedent(
@@ -62,7 +67,15 @@ def _crash_after_b1(roots: dict[str, Path], shared: Path, step: int = 4) -> None
     """A training process saves step 1 (B4), then stages ``step`` and is killed before hashing it."""
     env = {k: v for k, v in os.environ.items() if k != "SHOAL_FAILPOINTS"}
     proc = subprocess.run(
-        [sys.executable, "-c", CRASH_AFTER_B1, str(shared), str(roots["dram"]), str(roots["local"]), str(step)],
+        [
+            sys.executable,
+            "-c",
+            CRASH_AFTER_B1,
+            str(shared),
+            str(roots["dram"]),
+            str(roots["local"]),
+            str(step),
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -248,3 +261,29 @@ def test_a_symlink_planted_for_the_event_log_or_a_staged_index_is_never_followed
         assert_state_equal(target, _state(1))
         ckpt.save(2, _state(2)).wait(shoal.Boundary.RESTARTABLE, timeout=60)
     assert victim.read_text() == "precious"  # never appended to, never overwritten
+
+
+def _committed_steps(shared: Path) -> list[int]:
+    steps = shared / "default" / "steps"
+    return sorted(int(p.name) for p in steps.iterdir() if (p / "COMMIT").exists())
+
+
+def test_a_restart_that_resumed_keeps_keep_last_and_one_that_did_not_keeps_the_old_steps_apart(roots):
+    cfg = _config(roots["a"], roots["dram"], roots["local"], keep_last=2)
+    with shoal.Checkpointer(cfg) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, _state(step)).wait(shoal.Boundary.RESTARTABLE, timeout=60)
+    with shoal.Checkpointer(cfg) as ckpt:  # a restart: loads, then trains on
+        assert ckpt.load(zeros_like_state(_state(0))) == 3
+        for step in (4, 5):
+            ckpt.save(step, _state(step)).wait(shoal.Boundary.RESTARTABLE, timeout=60)
+    assert _committed_steps(roots["a"]) == [4, 5]  # the restarted writer continues the old one
+    with shoal.Checkpointer(cfg) as ckpt:  # saves into the job without loading it: another writer
+        for step in (6, 7, 8):
+            ckpt.save(step, _state(step)).wait(shoal.Boundary.RESTARTABLE, timeout=60)
+    assert _committed_steps(roots["a"]) == [4, 5, 7, 8]  # its own window; the others' steps left alone
+    with shoal.Checkpointer(cfg) as ckpt:
+        for step in (4, 8):
+            target = zeros_like_state(_state(0))
+            assert ckpt.load(target, step=step) == step
+            assert_state_equal(target, _state(step))

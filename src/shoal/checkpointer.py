@@ -598,6 +598,8 @@ class Checkpointer:
         self._pipeline.flush()
         restore = Restore(self._restore_context)
         restore.begin(step)
+        # This process continues the history it loads: its writer claim inherits the job's.
+        self._pipeline.context.resumed = True
         return restore
 
     def _resolve_manifest(self, step: int | None) -> Manifest:

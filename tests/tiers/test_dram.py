@@ -163,3 +163,16 @@ def test_a_failed_prefault_gives_the_memory_back(shm_path: Path, monkeypatch: py
         slab.ensure(64 * PAGE)
     assert os.path.getsize(slab.path) == PAGE and slab.capacity == PAGE
     slab.close()
+
+
+def test_an_exclusive_slab_is_never_written_through_a_file_that_was_there(shm_path: Path) -> None:
+    from shoal.errors import OwnershipError
+
+    tier = DramTier(shm_path)
+    tier.open_slab("s", PAGE).close()
+    with pytest.raises(OwnershipError, match="already exists"):
+        tier.open_slab("s", PAGE, exclusive=True)
+    os.symlink(shm_path / "elsewhere", shm_path / "slabs" / "t.slab")
+    with pytest.raises(OwnershipError, match="symbolic link"):
+        tier.open_slab("t", PAGE)
+    assert not (shm_path / "elsewhere").exists()

@@ -131,3 +131,50 @@ def test_a_directory_in_the_way_is_a_tier_error(tmp_path: Path) -> None:
 def test_commit_strategy_reports_rename() -> None:
     assert AtomicRenameCommit().atomic_rename is True
     assert PosixTier("/nonexistent/x").capabilities.atomic_rename
+
+
+def test_directories_are_created_private_and_files_0600(tmp_path):
+    tier = PosixTier(tmp_path / "base" / "job" / "host", base=tmp_path / "base")
+    tier.write("steps/1/manifest.json", b"{}")
+    for p in [tmp_path / "base", *(tmp_path / "base").rglob("*")]:
+        mode = p.stat().st_mode & 0o777
+        assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))
+
+
+def test_a_symlink_in_a_host_tier_is_never_read_and_a_write_replaces_it_without_following(tmp_path):
+    from shoal.errors import OwnershipError
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"do not touch")
+    tier = PosixTier(tmp_path / "root")
+    tier.write("a", b"x")
+    os.symlink(secret, tmp_path / "root" / "link")
+    with pytest.raises(OwnershipError, match="symbolic link"):
+        tier.read("link")
+    with pytest.raises(OwnershipError, match="symbolic link"):
+        tier.info("link")
+    assert not tier.exists("link") and "link" not in tier.list()
+    tier.write("link", b"new")
+    assert secret.read_bytes() == b"do not touch"
+    assert not os.path.islink(tmp_path / "root" / "link") and tier.read("link") == b"new"
+
+
+def test_a_file_others_can_write_is_refused(tmp_path):
+    from shoal.errors import OwnershipError
+
+    tier = PosixTier(tmp_path / "root")
+    tier.write("a", b"x")
+    os.chmod(tmp_path / "root" / "a", 0o666)
+    with pytest.raises(OwnershipError, match="writable by other users") as info:
+        tier.read("a")
+    assert "0666" in str(info.value)
+
+
+def test_an_existing_directory_on_the_way_is_checked(tmp_path):
+    from shoal.errors import OwnershipError
+
+    (tmp_path / "base" / "job").mkdir(parents=True)
+    os.chmod(tmp_path / "base" / "job", 0o777)
+    tier = PosixTier(tmp_path / "base" / "job" / "host", base=tmp_path / "base")
+    with pytest.raises(OwnershipError, match="job"):
+        tier.write("x", b"1")

@@ -53,13 +53,13 @@ def plan_gc(tier: Tier, keep_last: int | None, *, all_writers: bool = False) -> 
         except FormatError as e:
             warnings.append(f"{e}; judging the steps of every writer")
     infos = list_checkpoints(tier)
-    writer = holder.writer if holder is not None else None
+    writer = holder.lineage if holder is not None else None
     committed = [i.step for i in infos if i.boundary == Boundary.RESTARTABLE]
     ours = [
         i.step
         for i in infos
         if i.step in committed
-        and (writer is None or i.manifest is None or i.manifest.writer in (None, writer))
+        and (writer is None or i.manifest is None or i.manifest.writer is None or i.manifest.writer in writer)
     ]
     latest = latest_step(tier)
     horizon = max([*ours, *([latest] if latest is not None else [])], default=-1)

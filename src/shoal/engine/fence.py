@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 WRITER_FORMAT = "shoal-writer/1"
 _WRITER_ID = re.compile(r"[0-9a-f]{16}")
 _MAX_HOST = 255
+MAX_LINEAGE = 64
+"""How many earlier writers a ``WRITER`` record lists as continued (older ones fall off)."""
 
 __all__ = [
     "WRITER_FORMAT",
@@ -58,15 +60,25 @@ class WriterRecord:
     host: str
     pid: int
     claimed: float
+    inherits: tuple[str, ...] = ()
+    """Earlier writers whose history this one continues (it resumed from their checkpoints):
+    their steps count as its own for retention. Newest last, at most :data:`MAX_LINEAGE`."""
+
+    @property
+    def lineage(self) -> frozenset[str]:
+        """This writer and every writer it continues: the steps retention judges as its own."""
+        return frozenset((self.writer, *self.inherits))
 
     def encode(self) -> bytes:
-        doc = {
+        doc: dict[str, object] = {
             "format": WRITER_FORMAT,
             "writer": self.writer,
             "host": self.host,
             "pid": self.pid,
             "claimed": self.claimed,
         }
+        if self.inherits:
+            doc["inherits"] = list(self.inherits)
         return json.dumps(doc).encode()
 
     def describe(self) -> str:
@@ -103,7 +115,16 @@ def decode_writer(data: bytes, where: str) -> WriterRecord:
         raise FormatError(f"writer record {where}: pid {pid!r} is not a non-negative integer")
     if isinstance(claimed, bool) or not isinstance(claimed, int | float) or not math.isfinite(claimed):
         raise FormatError(f"writer record {where}: claimed {claimed!r} is not a time")
-    return WriterRecord(writer, host, pid, float(claimed))
+    inherits = doc.get("inherits", [])
+    if (
+        not isinstance(inherits, list)
+        or len(inherits) > MAX_LINEAGE
+        or not all(isinstance(w, str) and _WRITER_ID.fullmatch(w) for w in inherits)
+    ):
+        raise FormatError(
+            f"writer record {where}: inherits must be a list of at most {MAX_LINEAGE} writer ids"
+        )
+    return WriterRecord(writer, host, pid, float(claimed), tuple(inherits))
 
 
 def read_writer(shared: Tier) -> WriterRecord | None:
@@ -131,21 +152,41 @@ class WriterFence:
     def writer_id(self) -> str:
         return self.record.writer
 
+    @property
+    def lineage(self) -> frozenset[str]:
+        """The writer ids whose steps this process's retention judges as its own."""
+        return self.record.lineage
+
     @classmethod
-    def claim(cls, shared: Tier, *, host: str, pid: int) -> WriterFence:
+    def claim(cls, shared: Tier, *, host: str, pid: int, resumed: bool = False) -> WriterFence:
         """Write a fresh ``WRITER`` record on ``shared`` (the newest claim wins) and return the fence.
 
-        A record left by another writer is replaced, with a warning naming it: that writer's
-        next commit fails with :class:`~shoal.errors.WriterFenced`.
+        A record left by another writer is replaced: that writer's next commit fails with
+        :class:`~shoal.errors.WriterFenced`. With ``resumed`` (this process loaded one of the
+        job's checkpoints before its first commit: a restart) the new writer continues the old
+        one's history, so retention judges the old writer's steps as its own; without it (a
+        process that starts saving into a job it never loaded) the old steps are another
+        writer's, kept apart, and the takeover is logged as a warning.
         """
         try:
             previous = read_writer(shared)
         except FormatError as e:
             log.warning("replacing the unreadable writer record of %s: %s", shared.url, e)
             previous = None
-        record = WriterRecord(secrets.token_hex(8), host, pid, time.time())
+        inherits: tuple[str, ...] = ()
+        if resumed and previous is not None:
+            inherits = (*previous.inherits, previous.writer)[-MAX_LINEAGE:]
+        record = WriterRecord(secrets.token_hex(8), host, pid, time.time(), inherits)
         shared.write(layout.WRITER, record.encode())
-        if previous is not None:
+        if previous is not None and resumed:
+            log.info(
+                "%s: this process (host %r, pid %d) resumed the job and continues %s",
+                shared.url,
+                host,
+                pid,
+                previous.describe(),
+            )
+        elif previous is not None:
             log.warning(
                 "%s: this process (host %r, pid %d) takes over the job from %s; that writer commits "
                 "nothing more. Two jobs writing with the same Config.job into one shared root? Give "

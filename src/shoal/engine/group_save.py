@@ -524,7 +524,7 @@ class GroupSave:
         """This process's claim on the job, made now if this is its first commit (coordinator only)."""
         ctx = self.ctx
         if ctx.writer is None:
-            ctx.writer = WriterFence.claim(ctx.shared, host=ctx.host, pid=os.getpid())
+            ctx.writer = WriterFence.claim(ctx.shared, host=ctx.host, pid=os.getpid(), resumed=ctx.resumed)
         fence: WriterFence = ctx.writer
         return fence
 

@@ -191,7 +191,9 @@ def list_host_runs(root: str, job: str, host: str) -> list[HostRun]:
 
 def same_run_candidates(runs: Iterable[HostRun], shared_url: str, job: str) -> list[HostRun]:
     """The host runs that name ``shared_url`` and ``job``, newest first."""
-    match = [r for r in runs if r.record is not None and r.record.shared == shared_url and r.record.job == job]
+    match = [
+        r for r in runs if r.record is not None and r.record.shared == shared_url and r.record.job == job
+    ]
     return sorted(match, key=lambda r: r.mtime, reverse=True)
 
 

@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Collection
 
 from shoal.boundary import Boundary
 from shoal.engine.fence import WriterFence
@@ -128,7 +129,7 @@ class Pipeline:
         in_flight = [s for s in self.in_flight() if s != step]
         horizon = min([step, *(s - 1 for s in in_flight)])
         work: list[tuple[Tier, bool]] = []
-        writer: str | None = None
+        writer: frozenset[str] | None = None
         if ctx.fabric.is_coordinator:
             writer = self._shared_writer(step)
             if writer is not None:
@@ -155,8 +156,8 @@ class Pipeline:
             if freed or dropped:
                 ctx.events.emit("retention", step, tier=tier.kind, freed_bytes=freed, packs=len(dropped))
 
-    def _shared_writer(self, step: int) -> str | None:
-        """The writer id retention on shared runs for, or None (with a warning) if this process is fenced."""
+    def _shared_writer(self, step: int) -> frozenset[str] | None:
+        """The writer ids retention on shared runs for (this writer's lineage), or None if fenced (warned)."""
         ctx = self.context
         fence = ctx.writer
         if not isinstance(fence, WriterFence):
@@ -182,7 +183,7 @@ class Pipeline:
                 e,
             )
             return None
-        return fence.writer_id
+        return fence.lineage
 
 
 def run_retention(
@@ -191,7 +192,7 @@ def run_retention(
     horizon: int,
     *,
     manifests_are_commits: bool = False,
-    writer: str | None = None,
+    writer: str | Collection[str] | None = None,
 ) -> tuple[int, tuple[str, ...]]:
     """One retention pass over ``tier``: keep the ``keep_last`` newest committed checkpoints.
 

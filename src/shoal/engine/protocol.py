@@ -102,6 +102,9 @@ class PipelineContext:
     scratch: bytearray = field(default_factory=bytearray)
     run_id: str | None = None
     """This run's id (``<shared>/<job>/RUN``), recorded in every manifest it writes."""
+    resumed: bool = False
+    """Whether this process loaded one of the job's checkpoints before its first commit (a
+    restart): its writer claim then continues the previous writer's history."""
     writer: Any = None
     """The coordinator's :class:`shoal.engine.fence.WriterFence` (None elsewhere): checked before
     every commit, ``LATEST`` move and retention pass on the shared tier."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -74,7 +74,7 @@ def plan_retention(
     keep_last: int | None,
     pack_ids: Iterable[str],
     horizon: int,
-    writer: str | None = None,
+    writer: str | Collection[str] | None = None,
     problems: Mapping[int, str] | None = None,
 ) -> RetentionPlan:
     """Decide what to delete.
@@ -86,17 +86,19 @@ def plan_retention(
         keep_last: committed checkpoints to keep, newest steps first (None: all; 0: none but ``latest``).
         pack_ids: every pack id present on the tier.
         horizon: the newest step whose packs may be judged; newer ones may be in flight.
-        writer: the writer retention runs for; steps whose manifest names another are left alone
-            (None: every step counts as the writer's own).
+        writer: the writer retention runs for (an id, or the ids of its lineage: itself and the
+            writers it continues); steps whose manifest names another are left alone (None:
+            every step counts as the writer's own).
         problems: step -> what is wrong with it, for damaged steps (for messages only).
     """
     if keep_last is not None and keep_last < 0:
         raise ValueError(f"keep_last must be None or >= 0, got {keep_last}")
     problems = problems or {}
+    mine = None if writer is None else ({writer} if isinstance(writer, str) else set(writer))
     foreign = {
         s
         for s, m in manifests.items()
-        if m is not None and writer is not None and m.writer is not None and m.writer != writer
+        if m is not None and mine is not None and m.writer is not None and m.writer not in mine
     }
     ours = sorted(set(committed) - foreign)
     # Not ours[-keep_last:]: with keep_last == 0 that slice is the whole list.
