@@ -287,3 +287,25 @@ def test_a_restart_that_resumed_keeps_keep_last_and_one_that_did_not_keeps_the_o
             target = zeros_like_state(_state(0))
             assert ckpt.load(target, step=step) == step
             assert_state_equal(target, _state(step))
+
+
+def test_shoal_gc_lists_and_drops_what_a_crashed_process_left_staged(roots, capsys):
+    from shoal.cli.main import main
+
+    _crash_after_b1(roots, roots["a"])
+    argv = ["gc", "--staged", "--dram", str(roots["dram"])]
+    assert main(argv) == 0
+    listed = capsys.readouterr().out
+    assert "step 4" in listed and "rank 0" in listed and str(roots["a"]) in listed
+    assert main([*argv, "--drop", "--step", "4", "--dry-run"]) == 0
+    assert "would drop" in capsys.readouterr().out
+    cfg = _config(roots["a"], roots["dram"], roots["local"])
+    with shoal.Checkpointer(cfg):  # a live process of rank 0: its lock keeps gc's hands off
+        assert main([*argv, "--drop"]) == 0
+        assert "in use by pid" in capsys.readouterr().out
+    assert main([*argv, "--drop", "--step", "4"]) == 0
+    assert "dropped" in capsys.readouterr().out
+    with shoal.Checkpointer(cfg) as ckpt:  # step 4 is gone; step 1 (committed) loads
+        target = zeros_like_state(_state(0))
+        assert ckpt.load(target) == 1
+        assert_state_equal(target, _state(1))

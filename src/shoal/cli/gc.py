@@ -16,17 +16,21 @@ Exit status: 0 when the pass ran (whatever it found), 2 when it could not run.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from shoal.boundary import Boundary
-from shoal.cli.common import human_bytes, open_job, stderr_console, stdout_console
+from shoal.cli.common import DEFAULT_JOB, CliError, human_bytes, open_job, stderr_console, stdout_console
+from shoal.config import default_dram_root
 from shoal.engine.fence import WriterRecord, read_writer
+from shoal.engine.hoststate import HostLock, drop_leftover, staged_leftovers
 from shoal.engine.retention import RetentionPlan, apply_retention, latest_step, pack_ids_on, plan_retention
 from shoal.engine.store import list_checkpoints
-from shoal.errors import FormatError, MissingFile
+from shoal.errors import FormatError, MissingFile, OwnershipError
 from shoal.format import layout
 from shoal.tiers.base import Tier
+from shoal.tiers.dram import DramTier
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,69 @@ def _pack_size(tier: Tier, pack_id: str) -> int:
         return 0  # only its index was left behind
 
 
+def run_staged(args: argparse.Namespace) -> int:
+    """``shoal gc --staged``: list (and with ``--drop``, drop) what crashed processes left staged in DRAM."""
+    root = args.dram or default_dram_root()
+    job = args.job or DEFAULT_JOB
+    out, err = stdout_console(), stderr_console()
+    found = staged_leftovers(root, job)
+    listed = dropped = 0
+    freed = 0
+    for entry in found:
+        record = entry.run.record
+        where = (
+            f"run {record.run} (shared {record.shared})"
+            if record
+            else f"{entry.run.path} ({entry.run.problem})"
+        )
+        for left in entry.leftovers:
+            if args.step is not None and left.step != args.step:
+                continue
+            listed += 1
+            step = "no staged index" if left.step is None else f"step {left.step}"
+            holder = entry.live.get(left.rank) if left.rank is not None else None
+            size = human_bytes(left.slab_bytes)
+            line = f"host {entry.host}, {where}: rank {left.rank}, {step}, slab {left.slot} ({size})"
+            if holder is not None:
+                out.print(f"{line}: in use by {holder}, kept")
+                continue
+            if not args.drop:
+                out.print(line)
+                continue
+            if args.dry_run:
+                out.print(f"would drop {line}")
+                continue
+            lock = HostLock(root, job, entry.host, left.rank if left.rank is not None else 0)
+            try:
+                lock.acquire()  # a process of this rank starting now waits for us, or is refused
+            except OwnershipError as e:
+                err.print(f"warning: kept {line}: {e}")
+                continue
+            try:
+                drop_leftover(DramTier(entry.run.path, base=root), left)
+            finally:
+                lock.release()
+            dropped += 1
+            freed += left.slab_bytes
+            out.print(f"dropped {line}")
+    if not listed:
+        out.print(f"no staged checkpoints under {os.path.join(root, job)}")
+    elif args.drop:
+        verb = "would drop" if args.dry_run else f"dropped {dropped}, freed {human_bytes(freed)}"
+        out.print(f"{listed} staged checkpoint slab(s) found; {verb}")
+    else:
+        out.print(
+            f"{listed} staged checkpoint slab(s) found; they stay until a newer checkpoint of their run "
+            "reaches B4 (--drop removes them; --step N only that step's)"
+        )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.staged:
+        return run_staged(args)
+    if args.drop or args.dram or args.step is not None:
+        raise CliError("--drop, --dram and --step go with --staged")
     tier = open_job(args)
     try:
         gc = plan_gc(tier, args.keep_last, all_writers=args.all_writers)
@@ -170,5 +236,19 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="judge the steps of every writer, not only those of the writer holding the job "
         "(for steps left by an earlier process of the same job)",
+    )
+    staged = p.add_argument_group("staged checkpoints crashed processes left in DRAM")
+    staged.add_argument(
+        "--staged",
+        action="store_true",
+        help="list the staged checkpoints (DRAM slabs) of the job that no live process holds; "
+        "they are kept until a newer checkpoint of their run reaches B4",
+    )
+    staged.add_argument(
+        "--dram", metavar="ROOT", help="the DRAM root, as Config.dram (default /dev/shm/shoal-<uid>)"
+    )
+    staged.add_argument("--step", type=int, metavar="N", help="with --staged: only step N's")
+    staged.add_argument(
+        "--drop", action="store_true", help="with --staged: delete them (never a live process's)"
     )
     p.set_defaults(run=run)

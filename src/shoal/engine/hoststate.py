@@ -327,6 +327,7 @@ def drop_leftover(dram: DramTier, leftover: Leftover) -> None:
 
 
 __all__ = [
+    "HostLeftovers",
     "HostLock",
     "HostRun",
     "Leftover",
@@ -337,10 +338,61 @@ __all__ = [
     "find_leftovers",
     "host_dir",
     "list_host_runs",
+    "lock_holder",
     "log_foreign_runs",
     "new_generation",
     "read_shared_run",
     "run_dir",
     "same_run_candidates",
+    "staged_leftovers",
     "write_run_file",
 ]
+
+
+@dataclass(frozen=True)
+class HostLeftovers:
+    """What ``shoal gc --staged`` lists for one run directory of one host."""
+
+    host: str
+    run: HostRun
+    leftovers: tuple[Leftover, ...]
+    live: dict[int, str]
+    """Rank -> who holds its lock now (``pid N``): those ranks' slabs belong to a live process."""
+
+
+def lock_holder(root: str, job: str, host: str, rank: int) -> str | None:
+    """``"pid N"`` if a live process holds rank ``rank``'s lock on ``host``, else None."""
+    path = os.path.join(host_dir(root, job, host), LOCKS_DIR, f"r{rank}.lock")
+    try:
+        fd = open_private(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            return f"pid {holder}" if holder.isdigit() else "a live process"
+        return None
+    finally:
+        os.close(fd)
+
+
+def staged_leftovers(root: str, job: str) -> list[HostLeftovers]:
+    """Every staged checkpoint under the DRAM root ``root`` for ``job``, host by host, run by run."""
+    out = []
+    base = os.path.join(root, job)
+    try:
+        hosts = sorted(os.listdir(base))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for host in hosts:
+        for hr in list_host_runs(root, job, host):
+            if hr.problem is not None and hr.record is None and not os.path.isdir(hr.path):
+                continue
+            tier = DramTier(hr.path, base=root)
+            found = tuple(find_leftovers(tier))
+            ranks = sorted({left.rank for left in found if left.rank is not None})
+            live = {r: h for r in ranks if (h := lock_holder(root, job, host, r)) is not None}
+            out.append(HostLeftovers(host, hr, found, live))
+    return out
