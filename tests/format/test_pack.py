@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shoal.errors import FormatError, InvalidName
 from shoal.format.chunking import digest
@@ -139,3 +141,41 @@ def test_pack_index_is_a_frozen_value() -> None:
     index = PackIndex("p", 0, digest(b""), ())
     with pytest.raises(AttributeError):
         index.size = 3  # type: ignore[misc]
+
+
+def test_duplicate_keys_in_an_index_are_refused() -> None:
+    good = _built()[0].index().encode().decode()
+    doubled = good.replace('"size":', '"size":0,"size":', 1)
+    with pytest.raises(FormatError, match="duplicate JSON object key 'size'"):
+        decode_index(doubled.encode(), "x.idx")
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_any_edit_of_an_index_decodes_or_is_a_format_error(data: st.DataObject) -> None:
+    doc = json.loads(_built()[0].index().encode())
+    field = data.draw(st.sampled_from([*doc, "chunks-row", "chunks-cell"]))
+    value = data.draw(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**70), 2**70)
+        | st.floats()
+        | st.text(max_size=70)
+        | st.lists(st.integers(-2, 2**64), max_size=4)
+        | st.just([[digest(b""), 0, 0]])
+    )
+    if field == "chunks-row":
+        doc["chunks"][data.draw(st.integers(0, len(doc["chunks"]) - 1))] = value
+    elif field == "chunks-cell":
+        row = doc["chunks"][data.draw(st.integers(0, len(doc["chunks"]) - 1))]
+        row[data.draw(st.integers(0, 2))] = value
+    elif data.draw(st.booleans()):
+        del doc[field]
+    else:
+        doc[field] = value
+    try:
+        index = decode_index(json.dumps(doc).encode(), "x.idx")
+    except FormatError as e:
+        assert "x.idx" in str(e)
+    else:
+        assert all(e.offset + e.length <= index.size for e in index.entries)
