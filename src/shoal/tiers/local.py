@@ -490,6 +490,11 @@ def _check_range(offset: int, length: int) -> None:
         raise ValueError(
             f"a tier range needs offset >= 0 and length >= 0, got offset={offset} length={length}"
         )
+    if offset + length > 2**63 - 1:
+        raise TierError(
+            f"a tier range ends past the largest file offset: offset {offset} + length {length}; the "
+            "metadata that asked for it is corrupt"
+        )
 
 
 def writable_byte_view(out: memoryview) -> memoryview:

@@ -38,6 +38,10 @@ except ImportError:  # pragma: no cover - depends on the environment
     _REMOTE_ERRORS = (OSError,)
 
 
+_MAX_OFFSET = 2**63 - 1
+"""The largest byte offset any file system or object store can serve."""
+
+
 class ObjectPutCommit:
     """Commit by one streamed upload to an object store (single PUT, or multipart completed at close).
 
@@ -152,6 +156,11 @@ class FsspecTier(Tier):
         if offset < 0 or length < 0:
             raise ValueError(
                 f"a tier range needs offset >= 0 and length >= 0, got offset={offset} length={length}"
+            )
+        if offset + length > _MAX_OFFSET:
+            raise TierError(
+                f"cannot read {path!r} in shared tier {self._url}: offset {offset} + length {length} is "
+                f"past the largest file offset ({_MAX_OFFSET}); the metadata that asked for it is corrupt"
             )
         target = self._abs(path)
         with self._wrap("read", path, missing=True):
