@@ -212,9 +212,13 @@ def run(root: str, *, steps: int = 30, every: int = 5, lose_at: int = 23) -> Non
         if info.manifest is None or info.boundary is None:
             continue
         s = info.manifest.stats
+        # a step that wrote nothing new reused every byte: say so, not "dedup xinf"
+        dedup = (
+            f"dedup x{s.dedup_ratio:.2f}" if s.written_bytes else "all reused" if s.logical_bytes else "empty"
+        )
         print(
             f"     step {info.step:4d} {info.boundary.label:<15} logical {_mib(s.logical_bytes)}, "
-            f"written {_mib(s.written_bytes)}, dedup x{s.dedup_ratio:.2f}"
+            f"written {_mib(s.written_bytes)}, {dedup}"
         )
     same = all(r["fingerprint"] == reference[i] for i, r in enumerate(restarted))
     if not same:

@@ -227,6 +227,45 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("stats negative", _set("stats", "unique_bytes", value=-1), "stats.unique_bytes"),
     ("dcp list", _set("dcp", value=[]), "dcp"),
     ("version int", _set("shoal_version", value=1), "shoal_version"),
+    # every integer fits an int64, ``created`` is a real date (each was an OverflowError later)
+    ("created past time_t", _set("created", value=10**30), "created: 10+ is not a time between 1970"),
+    ("created before 1970", _set("created", value=-1e300), r"created: -1e\+300 is not a time"),
+    ("created negative", _set("created", value=-1), "created: -1 is not a time"),
+    ("created in 2242", _set("created", value=2**33), f"created: {2**33} is not a time"),
+    ("created past any float", _set("created", value=10**400), "created: an int of 1329 bits"),
+    ("pack size past int64", _set("packs", P1, "size", value=2**63), rf"packs\['{P1}'\].size: .*2\*\*63-1"),
+    ("pack size past any float", _set("packs", P1, "size", value=10**400), "size: .*an int of 1329 bits"),
+    ("location offset past int64", _set("locations", digest(b"\x00" * 8), 1, value=2**63), r"\.offset: "),
+    ("location length past int64", _set("locations", digest(b"\x00" * 8), 2, value=2**63), r"\.length: "),
+    (
+        "location longer than a chunk",
+        _set("locations", digest(b"\x03" * 8), value=[P1, 0, CS + 1]),
+        rf"\.length: {CS + 1} bytes is more than the chunk size {CS}",
+    ),
+    ("nbytes past int64", _set(*W, "nbytes", value=2**63), r"'model.w'\]\.nbytes: "),
+    ("nbytes past any float", _set(*W, "nbytes", value=10**400), "nbytes: .*an int of 1329 bits"),
+    ("rank past int64", _set(*W, "rank", value=2**63), r"'model.w'\]\.rank: "),
+    (
+        "rank past world size",
+        _set("items", "blob", "rank", value=2),
+        r"'blob'\]\.rank: rank 2 is not below world",
+    ),
+    ("shape past int64", _set(*W, "shape", 1, value=2**63), r"'model.w'\]\.shape\[1\]: "),
+    ("world size past int64", _set("world", "size", value=2**63), "world.size: "),
+    ("ranks_per_node past int64", _set("world", "ranks_per_node", value=2**63), "world.ranks_per_node: "),
+    (
+        "stats past any float",
+        _set("stats", "logical_bytes", value=10**400),
+        "stats.logical_bytes: .*1329 bits",
+    ),
+    ("stats past int64", _set("stats", "written_bytes", value=2**63), "stats.written_bytes: "),
+    # nbytes is what the chunks hold: len(chunks) == ceil(nbytes / chunk_size); none iff nbytes == 0
+    ("empty item with a chunk", _set("items", "model.e", "chunks", value=[_w_chunk(0)]), "1 chunks for 0"),
+    ("bytes item with no chunks", _set("items", "blob", "chunks", value=[]), "0 chunks for 100 bytes"),
+    # a chunk digest is 64 lowercase hex characters
+    ("chunk digest upper case", _set(*W, "chunks", 0, value=_w_chunk(0).upper()), r"chunks\[0\]: expected"),
+    ("chunk digest short", _set(*W, "chunks", 1, value=_w_chunk(1)[:63]), r"chunks\[1\]: expected a BLAKE3"),
+    ("chunk digest huge", _set(*W, "chunks", 2, value="a" * 10**6), r"chunks\[2\]: .*'aaa+\.\.\.$"),
 ]
 
 
@@ -297,3 +336,75 @@ def test_duplicate_json_keys_are_refused() -> None:
     assert doubled != text
     with pytest.raises(FormatError, match="duplicate JSON object key 'job'"):
         decode_manifest(doubled.encode(), WHERE)
+
+
+def test_the_largest_values_a_manifest_may_hold_are_read() -> None:
+    doc = json.loads(_manifest().encode())
+    doc["created"] = 2**33 - 1  # an int: read as a float
+    doc["stats"] = {"logical_bytes": 2**63 - 1, "unique_bytes": 0, "written_bytes": 0}
+    doc["world"]["size"] = 2**63 - 1
+    doc["packs"][P2]["size"] = 2**63 - 1
+    doc["locations"][_manifest().items["blob"].chunks[0]] = [P2, 2**63 - 101, 100]
+    doc["items"]["model.e"]["shape"] = [0, 2**63 - 1]
+    back = decode_manifest(json.dumps(doc).encode(), WHERE)
+    assert back.created == 2.0**33 - 1 and isinstance(back.created, float)
+    assert back.stats.logical_bytes == 2**63 - 1 and back.stats.dedup_ratio == math.inf
+    assert back.locations[back.items["blob"].chunks[0]] == ChunkLocation(P2, 2**63 - 101, 100)
+    assert back.items["model.e"].shape == (0, 2**63 - 1)
+    doc["created"] = 0
+    assert decode_manifest(json.dumps(doc).encode(), WHERE).created == 0.0
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("created",), 10**4000),
+        (("stats", "unique_bytes"), -(10**4000)),
+        (("packs", P1, "size"), 10**4000),
+        (("items", "model.w", "shape", 0), 10**4000),
+        (("items", "model.w", "chunks", 0), "f" * 10**6),
+        (("items", "model.w", "dtype"), "x" * 10**6),
+        (("shoal_version",), [0] * 10**5),
+        (("format",), "shoal/" + "9" * 10**5),
+    ],
+    ids=["created", "stats", "pack size", "shape", "chunk digest", "dtype", "version", "format"],
+)
+def test_a_huge_value_is_named_in_a_short_message(path: tuple[str | int, ...], value: object) -> None:
+    edit = _set(*path, value=value)
+    doc = json.loads(_manifest().encode())
+    edit(doc)
+    with pytest.raises(FormatError) as info:
+        decode_manifest(json.dumps(doc).encode(), WHERE)
+    message = str(info.value)
+    assert len(message) < 300, message
+    assert str(path[-1]) in message or path == ("format",)
+
+
+def test_rank_is_checked_against_world_size_only_where_the_manifest_gives_one() -> None:
+    doc = json.loads(_manifest().encode())
+    doc["items"]["blob"]["rank"] = 7
+    del doc["world"]["size"]
+    assert decode_manifest(json.dumps(doc).encode(), WHERE).items["blob"].rank == 7
+    doc["world"]["size"] = 8
+    assert decode_manifest(json.dumps(doc).encode(), WHERE).world.size == 8
+    doc["world"]["size"] = 7
+    with pytest.raises(FormatError, match=r"items\['blob'\]\.rank: rank 7 is not below world.size 7"):
+        decode_manifest(json.dumps(doc).encode(), WHERE)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b'{"step": ' + str(10**400).encode() + b', "manifest_blake3": "00"}', "an int of 1329 bits"),
+        (b'{"step": 1, "manifest_blake3": "' + b"a" * 10**6 + b'"}', "manifest_blake3 'aaa+\\.\\.\\. is not"),
+        (
+            b'{"step": 1, "step": 2, "manifest_blake3": "' + digest(b"").encode() + b'"}',
+            "duplicate .* 'step'",
+        ),
+    ],
+    ids=["huge step", "huge digest", "duplicate key"],
+)
+def test_bad_pointer_is_named_in_a_short_message(data: bytes, message: str) -> None:
+    with pytest.raises(FormatError, match=message) as info:
+        decode_pointer(data, "LATEST")
+    assert str(info.value).startswith("LATEST: ") and len(str(info.value)) < 300

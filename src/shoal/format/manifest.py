@@ -3,7 +3,9 @@
 It names every item, the digests of the item's chunks, where each chunk lies on
 this tier (pack, offset, length), the packs it needs, the DCP metadata (encoded
 field by field by :mod:`shoal.format.dcp_codec`), and counters. The reader
-validates schema, sizes and names and refuses newer major formats.
+validates schema, sizes and names and refuses newer major formats. Every integer it
+accepts fits an int64 (:data:`MAX_INT`: what a file offset, a tensor dimension or a
+``time_t`` can hold) and ``created`` is a real date, so nothing read back can overflow later.
 """
 
 from __future__ import annotations
@@ -24,9 +26,21 @@ FORMAT_NAME = "shoal"
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0
 FORMAT = f"{FORMAT_NAME}/{FORMAT_MAJOR}"
-_FORMAT_RE = re.compile(r"shoal/(\d+)(?:\.(\d+))?")
+_FORMAT_RE = re.compile(r"shoal/(\d{1,9})(?:\.(\d{1,9}))?")  # bounded: int() refuses 4301 digits
 ITEM_KINDS = ("tensor", "bytes")
 _DTYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+MAX_INT = 2**63 - 1
+"""The largest integer a manifest may hold (sizes, offsets, lengths, counts, ranks, dimensions)."""
+MAX_CREATED = 2**33
+"""``created`` is seconds since the epoch in ``[0, MAX_CREATED)``: 1970 up to the year 2242."""
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message, kept short: a huge int by its size, a long repr by its head."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an int of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass(frozen=True)
@@ -165,15 +179,34 @@ class _Reader:
             raise self.fail(f"{path}{key}", "missing")
         return obj[key]
 
-    def integer(self, value: Any, path: str, *, minimum: int = 0) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.fail(path, f"expected an int >= {minimum}, got {value!r}")
+    def integer(self, value: Any, path: str, *, minimum: int = 0, maximum: int = MAX_INT) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            bound = "2**63-1" if maximum == MAX_INT else str(maximum)
+            raise self.fail(path, f"expected an int in [{minimum}, {bound}], got {_shown(value)}")
         return value
 
     def string(self, value: Any, path: str) -> str:
         if not isinstance(value, str):
-            raise self.fail(path, f"expected a string, got {value!r}")
+            raise self.fail(path, f"expected a string, got {_shown(value)}")
         return value
+
+    def digest(self, value: Any, path: str) -> str:
+        try:
+            return check_digest(value)
+        except ValueError:
+            raise self.fail(
+                path, f"expected a BLAKE3-256 digest (64 lowercase hex characters), got {_shown(value)}"
+            ) from None
+
+    def created(self, value: Any, path: str) -> float:
+        """Seconds since the epoch: a number in ``[0, MAX_CREATED)`` (an int of any size compares exactly)."""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(path, f"expected a number of seconds since the epoch, got {_shown(value)}")
+        if not 0 <= value < MAX_CREATED:  # also refuses NaN and the infinities
+            raise self.fail(
+                path, f"{_shown(value)} is not a time between 1970 and 2242 (seconds in [0, 2**33))"
+            )
+        return float(value)
 
     def obj(self, value: Any, path: str) -> Mapping[str, Any]:
         if not isinstance(value, dict):
@@ -210,7 +243,7 @@ def check_format(fmt: Any, where: str) -> tuple[int, int]:
     """Parse a ``shoal/M.m`` format string; refuse a newer major version."""
     m = _FORMAT_RE.fullmatch(fmt) if isinstance(fmt, str) else None
     if m is None:
-        raise FormatError(f"manifest {where}: format is {fmt!r}, expected 'shoal/<major>.<minor>'")
+        raise FormatError(f"manifest {where}: format is {_shown(fmt)}, expected 'shoal/<major>.<minor>'")
     major, minor = int(m.group(1)), int(m.group(2) or 0)
     if major > FORMAT_MAJOR:
         raise UnsupportedFormat(
@@ -234,42 +267,52 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     check_format(doc.get("format"), where)
     job = r.checked(check_identifier, r.get(doc, "job", ""), "job", "job")
     step = r.checked(check_step, r.get(doc, "step", ""), "step")
-    created = r.get(doc, "created", "")
-    if isinstance(created, bool) or not isinstance(created, int | float) or not math.isfinite(created):
-        raise r.fail("created", f"expected a finite number, got {created!r}")
+    created = r.created(r.get(doc, "created", ""), "created")
     chunk_size = r.integer(r.get(doc, "chunk_size", ""), "chunk_size", minimum=1)
     if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
         raise r.fail("chunk_size", f"{chunk_size} is outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
     hash_name = r.get(doc, "hash", "")
     if hash_name != HASH_NAME:
-        raise r.fail("hash", f"{hash_name!r} is not supported (only {HASH_NAME!r})")
+        raise r.fail("hash", f"{_shown(hash_name)} is not supported (only {HASH_NAME!r})")
 
     packs: dict[str, PackRecord] = {}
     for pid, prec in r.obj(r.get(doc, "packs", ""), "packs").items():
         r.checked(check_identifier, pid, f"packs[{pid!r}]", "pack id")
         prec = r.obj(prec, f"packs[{pid!r}]")
         size = r.integer(r.get(prec, "size", f"packs[{pid!r}]."), f"packs[{pid!r}].size")
-        pdig = r.checked(check_digest, r.get(prec, "blake3", f"packs[{pid!r}]."), f"packs[{pid!r}].blake3")
+        pdig = r.digest(r.get(prec, "blake3", f"packs[{pid!r}]."), f"packs[{pid!r}].blake3")
         packs[pid] = PackRecord(size, pdig)
 
     locations: dict[str, ChunkLocation] = {}
     for dig, loc in r.obj(r.get(doc, "locations", ""), "locations").items():
         at = f"locations[{dig[:16]!r}...]"
-        r.checked(check_digest, dig, at)
+        r.digest(dig, at)
         loc = r.array(loc, at)
         if len(loc) != 3:
-            raise r.fail(at, f"expected [pack, offset, length], got {loc!r}")
+            raise r.fail(at, f"expected [pack, offset, length], got {_shown(loc)}")
         pid = r.string(loc[0], f"{at}.pack")
         if pid not in packs:
-            raise r.fail(f"{at}.pack", f"pack {pid!r} is not listed in 'packs'")
+            raise r.fail(f"{at}.pack", f"pack {_shown(pid)} is not listed in 'packs'")
         off, length = r.integer(loc[1], f"{at}.offset"), r.integer(loc[2], f"{at}.length")
+        if length > chunk_size:
+            raise r.fail(f"{at}.length", f"{length} bytes is more than the chunk size {chunk_size}")
         if off + length > packs[pid].size:
             raise r.fail(at, f"bytes {off}..{off + length} lie past pack {pid!r}'s size {packs[pid].size}")
         locations[dig] = ChunkLocation(pid, off, length)
 
+    w = r.obj(doc.get("world", {}), "world")
+    hosts = tuple(
+        r.string(h, f"world.hosts[{i}]") for i, h in enumerate(r.array(w.get("hosts", []), "world.hosts"))
+    )
+    world = WorldInfo(
+        r.integer(w.get("size", 1), "world.size", minimum=1),
+        hosts,
+        r.integer(w.get("ranks_per_node", 1), "world.ranks_per_node", minimum=1),
+    )
+    world_size = world.size if "size" in w else None  # absent: the default, not a fact to check ranks by
     partial = doc.get("partial", False)
     if not isinstance(partial, bool):
-        raise r.fail("partial", f"expected true or false, got {partial!r}")
+        raise r.fail("partial", f"expected true or false, got {_shown(partial)}")
     items: dict[str, ItemRecord] = {}
     for key, rec in r.obj(r.get(doc, "items", ""), "items").items():
         at = f"items[{key!r}]"
@@ -277,16 +320,18 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         rec = r.obj(rec, at)
         kind = r.get(rec, "kind", f"{at}.")
         if kind not in ITEM_KINDS:
-            raise r.fail(f"{at}.kind", f"expected one of {ITEM_KINDS}, got {kind!r}")
+            raise r.fail(f"{at}.kind", f"expected one of {ITEM_KINDS}, got {_shown(kind)}")
         nbytes = r.integer(r.get(rec, "nbytes", f"{at}."), f"{at}.nbytes")
         rank = r.integer(r.get(rec, "rank", f"{at}."), f"{at}.rank")
+        if world_size is not None and rank >= world_size:
+            raise r.fail(f"{at}.rank", f"rank {rank} is not below world.size {world_size}")
         dtype = rec.get("dtype")
         shape_raw = rec.get("shape")
         shape: tuple[int, ...] | None = None
         if (kind == "tensor" or dtype is not None) and (
             not isinstance(dtype, str) or not _DTYPE_RE.fullmatch(dtype)
         ):
-            raise r.fail(f"{at}.dtype", f"expected a dtype name, got {dtype!r}")
+            raise r.fail(f"{at}.dtype", f"expected a dtype name, got {_shown(dtype)}")
         if kind == "tensor" or shape_raw is not None:
             shape = tuple(
                 r.integer(s, f"{at}.shape[{i}]") for i, s in enumerate(r.array(shape_raw, f"{at}.shape"))
@@ -296,7 +341,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         if len(chunks) != expected:
             raise r.fail(f"{at}.chunks", f"{len(chunks)} chunks for {nbytes} bytes; expected {expected}")
         for i, d in enumerate(chunks):
-            r.checked(check_digest, d, f"{at}.chunks[{i}]")
+            r.digest(d, f"{at}.chunks[{i}]")
             if d not in locations:
                 if partial:
                     continue
@@ -309,15 +354,6 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
                 )
         items[key] = ItemRecord(key, rank, kind, nbytes, tuple(chunks), dtype, shape)
 
-    w = r.obj(doc.get("world", {}), "world")
-    hosts = tuple(
-        r.string(h, f"world.hosts[{i}]") for i, h in enumerate(r.array(w.get("hosts", []), "world.hosts"))
-    )
-    world = WorldInfo(
-        r.integer(w.get("size", 1), "world.size", minimum=1),
-        hosts,
-        r.integer(w.get("ranks_per_node", 1), "world.ranks_per_node", minimum=1),
-    )
     s = r.obj(doc.get("stats", {}), "stats")
     stats = Stats(
         *(r.integer(s.get(k, 0), f"stats.{k}") for k in ("logical_bytes", "unique_bytes", "written_bytes"))
@@ -331,7 +367,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     return Manifest(
         job=job,
         step=step,
-        created=float(created),
+        created=created,
         chunk_size=chunk_size,
         items=items,
         locations=locations,
@@ -358,15 +394,24 @@ class Pointer:
 
 
 def decode_pointer(data: bytes, where: str) -> Pointer:
+    """Parse ``LATEST`` or a ``COMMIT`` record: a step in range and a digest, each key given once."""
     try:
-        doc = json.loads(data)
+        doc = json.loads(data, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise FormatError(f"{where}: duplicate JSON object key {e.args[0]!r}") from None
     except (ValueError, RecursionError) as e:
         raise FormatError(f"{where} is not valid JSON (truncated or corrupted?): {e}") from e
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: expected a JSON object")
     try:
-        return Pointer(
-            check_step(doc.get("step")), check_digest(doc.get("manifest_blake3"), "manifest_blake3")
-        )
+        step = check_step(doc.get("step"))
     except ValueError as e:
         raise FormatError(f"{where}: {e}") from e
+    value = doc.get("manifest_blake3")
+    try:
+        manifest_blake3 = check_digest(value)
+    except ValueError:
+        raise FormatError(
+            f"{where}: manifest_blake3 {_shown(value)} is not a 64-character lowercase hex BLAKE3-256 digest"
+        ) from None
+    return Pointer(step, manifest_blake3)
