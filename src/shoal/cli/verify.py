@@ -265,7 +265,7 @@ def _check_index(tier: Tier, work: _PackWork, where: str) -> list[Problem]:
     path = layout.index_path(work.pack_id)
     idx_where = f"{tier.url}/{path}"
     try:
-        index = decode_index(tier.read(path), idx_where)
+        index = decode_index(tier.read_small(path, layout.MAX_INDEX_BYTES, "pack index"), idx_where)
     except MissingFile:
         return [Problem(f"pack index {idx_where} is missing", pack=where)]
     except ShoalError as e:
