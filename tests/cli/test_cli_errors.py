@@ -24,6 +24,7 @@ import torch
 
 import shoal
 import shoal.cli.ls
+from shoal.cli.common import local_time
 from shoal.cli.main import DEBUG_ENV, main
 from shoal.format import layout
 from shoal.format.chunking import digest
@@ -101,17 +102,25 @@ def make_partial(doc: dict[str, Any]) -> None:
     del doc["locations"][doc["items"]["w"]["chunks"][0]]
 
 
-def huge_pack(doc: dict[str, Any]) -> None:
-    """A pack and a chunk location past any file offset (the decoder checks only that they agree)."""
-    (pid,) = doc["packs"]
-    doc["packs"][pid]["size"] = 10**30
-    doc["locations"][doc["items"]["w"]["chunks"][0]] = [pid, 10**29, 40]
+def huge_pack(size: int, offset: int) -> Callable[[dict[str, Any]], None]:
+    """The pack's size is ``size`` and item ``w``'s chunk lies at ``offset`` in it (the two agree)."""
+
+    def edit(doc: dict[str, Any]) -> None:
+        (pid,) = doc["packs"]
+        doc["packs"][pid]["size"] = size
+        doc["locations"][doc["items"]["w"]["chunks"][0]] = [pid, offset, 40]
+
+    return edit
 
 
-def huge_pack_in_manifest(job: Path) -> str:
-    edit_manifest(huge_pack)(job)
+LARGEST_PACK = huge_pack(2**63 - 1, 2**62)
+"""A pack as large as any file offset can say, a chunk far into it: the decoder accepts both."""
+
+
+def largest_pack_in_manifest(job: Path) -> str:
+    edit_manifest(LARGEST_PACK)(job)
     (pack,) = (job / layout.PACKS_DIR).glob("*.pack")
-    return str(pack.relative_to(job))  # what verify and export name
+    return str(pack.relative_to(job))  # what verify and export name: the file is not that large
 
 
 def put_directory(rel: str) -> Callable[[Path], str]:
@@ -184,19 +193,15 @@ class Damage:
 
 
 DAMAGES = {
-    "created past time_t (10**30)": Damage(set_created(str(10**30)), verify=0, export=0),
-    "created before time_t (-1e300)": Damage(set_created("-1e300"), verify=0, export=0),
+    "created past time_t (10**30)": Damage(set_created(str(10**30))),
+    "created before time_t (-1e300)": Damage(set_created("-1e300")),
     "created not finite (1e400)": Damage(set_created("1e400")),
     "created of the wrong type": Damage(edit_manifest(set_field("created", value="yesterday"))),
     "created missing": Damage(edit_manifest(lambda d: d.pop("created"))),
     "partial manifest": Damage(edit_manifest(make_partial)),
-    "stats past any float": Damage(
-        edit_manifest(set_field("stats", "logical_bytes", value=10**400)),
-        verify=0,
-        export=0,
-        ls_names_it=False,
-    ),
-    "pack size past any offset": Damage(huge_pack_in_manifest, ls_names_it=False),
+    "stats past any float": Damage(edit_manifest(set_field("stats", "logical_bytes", value=10**400))),
+    "pack size past any offset": Damage(edit_manifest(huge_pack(10**30, 10**29))),
+    "pack size the largest offset": Damage(largest_pack_in_manifest, ls_names_it=False),
     "item dtype disagrees with DCP": Damage(
         edit_manifest(set_field("items", "w", "dtype", value="int32")), ls_names_it=False
     ),
@@ -253,31 +258,70 @@ def test_a_damaged_checkpoint_gives_the_exit_status_and_names_the_file(job, tmp_
     assert "Traceback" not in err
 
 
+def table_cells(out: str) -> dict[int, list[str]]:
+    """The cells of each row of ``ls``'s table by step, a cell's wrapped lines joined by a space."""
+    rows: dict[int, list[str]] = {}
+    for line in out.splitlines():
+        if not line.startswith("│"):
+            continue
+        parts = [part.strip() for part in line.split("│")[1:-1]]
+        if parts[0]:
+            rows[int(parts[0])] = cells = parts
+        else:  # a continuation of the row above
+            cells[:] = [f"{a} {b}" if a and b else a or b for a, b in zip(cells, parts, strict=True)]
+    return rows
+
+
 # -- what each crash became --------------------------------------------------------------------------
 
 
-def test_ls_of_a_created_time_out_of_range_lists_the_step_without_it(job, capsys):
-    set_created(str(10**30))(job)  # was: OverflowError, exit 1, a traceback
+def test_ls_of_a_created_time_out_of_range_lists_the_step_with_the_problem(job, capsys):
+    set_created(str(10**30))(job)  # was: OverflowError, exit 1, a traceback; then listed without it
+    code, out, err = run(capsys, "ls", str(job))
+    assert code == 0 and err == "", err
+    cells = table_cells(out)[1]
+    assert cells[1] == "?" and cells[2] == ""  # a manifest that cannot be read proves nothing
+    problem = "".join(cells[-1].split())  # however the column wrapped it
+    assert problem.startswith("manifest") and "created:" in problem  # the table may cut the path short
+    assert problem.endswith("isnotatimebetween1970and2242(secondsin[0,2**33))")
+    code, out, err = run(capsys, "ls", str(job), "--json")
+    first, second = json.loads(out)["checkpoints"]
+    assert code == 0 and err == "", err
+    assert first["step"] == 1 and first["created"] is None and first["boundary"] is None
+    assert first["problem"].startswith(f"manifest {job}/{MANIFEST}: created: ")
+    assert second["boundary"] == "RESTARTABLE" and second["problem"] is None
+
+
+def test_ls_of_a_time_this_platform_cannot_show_lists_the_step_without_it(job, capsys, monkeypatch):
+    set_created(str(2**33 - 1))(job)  # the last second a manifest may hold, in 2242
+
+    def narrow_local_time(ts: float) -> Any:  # as on a platform whose time_t ends in 2106
+        return None if ts >= 2**32 else local_time(ts)
+
+    monkeypatch.setattr(shoal.cli.ls, "local_time", narrow_local_time)
     code, out, err = run(capsys, "ls", str(job))
     assert code == 0, err
     row = next(line for line in out.splitlines() if line.startswith("│") and line.split()[1] == "1")
     assert " ? " in row and "B4 RESTARTABLE" in row
-    assert f"manifest {job}/{MANIFEST}: created is 1e+30, not a time this platform can show" in err
+    assert f"manifest {job}/{MANIFEST}: created is 8.58993e+09, not a time this platform can show" in err
     code, out, _ = run(capsys, "ls", str(job), "--json")
     first = json.loads(out)["checkpoints"][0]
-    assert code == 0 and first["created"] == 1e30 and first["created_iso"] is None
+    assert code == 0 and first["created"] == 2**33 - 1 and first["created_iso"] is None
+    assert first["boundary"] == "RESTARTABLE" and first["problem"] is None
 
 
 def test_ls_shows_all_reused_for_a_step_that_wrote_nothing_and_any_size_a_manifest_holds(job, capsys):
-    edit_manifest(set_field("stats", "logical_bytes", value=10**400))(job)  # was: OverflowError
+    edit_manifest(set_field("stats", "logical_bytes", value=2**63 - 1))(job)  # the most it may hold
     code, out, err = run(capsys, "ls", str(job))
     assert code == 0, err
     rows = {int(line.split()[1]): line for line in out.splitlines() if line.startswith("│")}
-    assert "1.00e+400 B" in rows[1]
+    assert "8.0 EiB" in rows[1] and "6.96e+15x" in rows[1]
     assert "all reused" in rows[2] and "inf" not in out  # step 2 wrote 0 bytes: was "inf"
     code, out, _ = run(capsys, "ls", str(job), "--json")
     first, second = json.loads(out)["checkpoints"]
-    assert first["dedup_ratio"] is None and second["dedup_ratio"] is None  # no float holds either
+    assert first["logical_bytes"] == 2**63 - 1 and first["problem"] is None  # exact, not a float
+    assert first["dedup_ratio"] == (2**63 - 1) / first["written_bytes"]
+    assert second["dedup_ratio"] is None  # step 2 wrote nothing: no ratio, not inf
 
 
 def test_verify_of_a_partial_manifest_reports_what_it_does_not_place_and_checks_the_rest(job, capsys):
@@ -303,12 +347,16 @@ def test_export_of_a_partial_manifest_fails_before_writing(job, tmp_path, capsys
 
 
 def test_export_of_a_pack_offset_past_any_file_is_an_error_naming_the_pack(job, tmp_path, capsys):
-    edit_manifest(huge_pack)(job)  # was: ValueError "cannot fit 'int' into an offset-sized integer"
+    edit_manifest(LARGEST_PACK)(job)  # was: ValueError "cannot fit 'int' into an offset-sized integer"
     code, _, err = run(
         capsys, "export", str(job), "--format", "safetensors", "--step", "1", str(tmp_path / "o")
     )
     (pack,) = (job / layout.PACKS_DIR).glob("*.pack")
-    assert code == 2 and f"pack {pack} is " in err and f"says {10**30}" in err and "shoal verify" in err
+    assert code == 2 and f"pack {pack} is " in err and f"says {2**63 - 1} " in err and "shoal verify" in err
+    assert not (tmp_path / "o").exists()
+    code, out, _ = run(capsys, "verify", str(job))
+    size = pack.stat().st_size
+    assert code == 1 and f"PROBLEM: pack {pack} is {size} bytes; the manifests say {2**63 - 1}" in out
 
 
 def test_a_mismatch_with_the_dcp_metadata_is_a_problem_for_verify_and_stops_export(job, tmp_path, capsys):
@@ -417,7 +465,6 @@ def test_demo_errors_are_one_line_too(capsys, monkeypatch):
 
 
 def test_the_installed_command_prints_no_traceback_on_damaged_checkpoints(job, tmp_path):
-    set_created(str(10**30))(job)
     edit_manifest(make_partial)(job)
     script = (
         "import sys\n"
