@@ -86,7 +86,12 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"checkpoints in {tier.url}", title_justify="left")
     for name in ("step", "boundary", "created", "items", "logical", "written", "unique", "dedup", "problem"):
         right = name in ("step", "items", "logical", "written", "unique", "dedup")
-        table.add_column(name, justify="right" if right else "left", no_wrap=name != "problem")
+        table.add_column(
+            name,
+            justify="right" if right else "left",
+            no_wrap=name != "problem",
+            overflow="fold" if name == "problem" else "ellipsis",
+        )
     for info in infos:
         m = info.manifest
         boundary = info.boundary.label if info.boundary is not None else "?"
