@@ -57,7 +57,6 @@ class EventLog:
                     log.warning("cannot write the event log at %s: %s", self.path, e)
                     self._warned = True
 
-
     def _append(self, path: str, data: bytes) -> None:
         fd = open_private(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from shoal.errors import FormatError, MissingFile, ShoalError, WriterFenced
 from shoal.format import layout
+from shoal.format.strict_json import load_json
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -95,10 +96,7 @@ def _when(t: float) -> str:
 
 def decode_writer(data: bytes, where: str) -> WriterRecord:
     """Parse and validate a ``WRITER`` record; any problem is a :class:`~shoal.errors.FormatError`."""
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise FormatError(f"writer record {where} is not valid JSON (truncated or corrupted?): {e}") from e
+    doc = load_json(data, f"writer record {where}")
     if not isinstance(doc, dict):
         raise FormatError(f"writer record {where}: expected a JSON object, got {type(doc).__name__}")
     fmt = doc.get("format")

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from shoal.errors import FormatError, MissingFile, OwnershipError, ShoalError
 from shoal.format import layout
 from shoal.format.names import check_identifier
+from shoal.format.strict_json import load_json
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
 from shoal.tiers.local import check_private, ensure_private_dirs, open_private
@@ -77,10 +78,7 @@ def new_run_id() -> str:
 
 def decode_run(data: bytes, where: str) -> RunRecord:
     """Parse a run record; any malformation is a :class:`FormatError` naming ``where``."""
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"run record {where} is not JSON: {e}") from None
+    doc = load_json(data, f"run record {where}")
     if not isinstance(doc, dict) or doc.get("format") != RUN_FORMAT:
         raise FormatError(f"run record {where}: expected an object with format {RUN_FORMAT!r}")
     run, shared, job, created = (doc.get(k) for k in ("run", "shared", "job", "created"))
@@ -311,7 +309,8 @@ def find_leftovers(dram: DramTier, *, rank: int | None = None, own: Iterable[str
         step = None
         if slot in indexes:
             try:
-                doc = json.loads(dram.read_small(indexes[slot], layout.MAX_STAGED_BYTES, "staged index"))
+                data = dram.read_small(indexes[slot], layout.MAX_STAGED_BYTES, "staged index")
+                doc = load_json(data, f"staged index {dram.url}/{indexes[slot]}")
                 step = layout.check_step(doc.get("step")) if isinstance(doc, dict) else None
             except (ShoalError, ValueError) as e:
                 log.warning("staged index %s/%s cannot be read: %s", dram.url, indexes[slot], e)

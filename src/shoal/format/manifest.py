@@ -21,6 +21,7 @@ from shoal.errors import FormatError, UnsupportedFormat
 from shoal.format.chunking import HASH_NAME, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from shoal.format.layout import check_step
 from shoal.format.names import check_digest, check_identifier, check_item_key
+from shoal.format.strict_json import load_json
 
 FORMAT_NAME = "shoal"
 FORMAT_MAJOR = 1
@@ -225,20 +226,6 @@ class _Reader:
             raise self.fail(path, str(e)) from e
 
 
-class _DuplicateKey(Exception):
-    pass
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads`` hook: a key given twice would let one reader see what another does not."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
 def check_format(fmt: Any, where: str) -> tuple[int, int]:
     """Parse a ``shoal/M.m`` format string; refuse a newer major version."""
     m = _FORMAT_RE.fullmatch(fmt) if isinstance(fmt, str) else None
@@ -256,12 +243,7 @@ def check_format(fmt: Any, where: str) -> tuple[int, int]:
 
 def decode_manifest(data: bytes, where: str) -> Manifest:
     """Parse and validate manifest bytes; ``where`` (tier url and path) appears in every error."""
-    try:
-        doc = json.loads(data, object_pairs_hook=_unique_keys)
-    except _DuplicateKey as e:
-        raise FormatError(f"manifest {where}: duplicate JSON object key {e.args[0]!r}") from None
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, huge ints
-        raise FormatError(f"manifest {where} is not valid JSON (truncated or corrupted?): {e}") from e
+    doc = load_json(data, f"manifest {where}")
     r = _Reader(where)
     doc = r.obj(doc, "top level")
     check_format(doc.get("format"), where)
@@ -395,12 +377,7 @@ class Pointer:
 
 def decode_pointer(data: bytes, where: str) -> Pointer:
     """Parse ``LATEST`` or a ``COMMIT`` record: a step in range and a digest, each key given once."""
-    try:
-        doc = json.loads(data, object_pairs_hook=_unique_keys)
-    except _DuplicateKey as e:
-        raise FormatError(f"{where}: duplicate JSON object key {e.args[0]!r}") from None
-    except (ValueError, RecursionError) as e:
-        raise FormatError(f"{where} is not valid JSON (truncated or corrupted?): {e}") from e
+    doc = load_json(data, where)
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: expected a JSON object")
     try:

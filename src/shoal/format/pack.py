@@ -16,6 +16,7 @@ import blake3
 
 from shoal.errors import FormatError
 from shoal.format.names import check_digest, check_identifier
+from shoal.format.strict_json import load_json
 
 INDEX_FORMAT = "shoal-pack/1"
 
@@ -51,32 +52,13 @@ def _int(value: Any, where: str) -> int:
     return value
 
 
-class _DuplicateKey(Exception):
-    pass
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads`` hook: a key given twice would let one reader see what another does not."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
 def decode_index(data: bytes, where: str) -> PackIndex:
     """Parse and validate a pack index; ``where`` names the file in errors.
 
     Read it with ``tier.read_small(path, layout.MAX_INDEX_BYTES, "pack index")``: an index is
     never trusted to be small.
     """
-    try:
-        doc = json.loads(data, object_pairs_hook=_unique_keys)
-    except _DuplicateKey as e:
-        raise FormatError(f"pack index {where}: duplicate JSON object key {e.args[0]!r}") from None
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, huge ints
-        raise FormatError(f"pack index {where} is not valid JSON (truncated or corrupted?): {e}") from e
+    doc = load_json(data, f"pack index {where}")
     if not isinstance(doc, dict):
         raise FormatError(f"pack index {where}: expected a JSON object, got {type(doc).__name__}")
     fmt = doc.get("format")

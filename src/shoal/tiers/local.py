@@ -476,13 +476,17 @@ class PosixTier(Tier):
         Retention calls it after deleting a step's files. A directory that is not empty
         stays; symbolic links are never followed or removed.
         """
-        top = self._abs(prefix.rstrip("/"))
-        if os.path.islink(top) or not os.path.isdir(top):
-            return
         with self._wrap("remove empty directories under", prefix):
-            for directory, _, _ in os.walk(top, topdown=False):
-                with suppress(OSError):  # not empty (or gone): leave it
-                    os.rmdir(directory)
+            remove_empty_dirs_below(self._abs(prefix.rstrip("/")))
+
+
+def remove_empty_dirs_below(top: str) -> None:
+    """Remove ``top`` and every directory below it that is (or becomes) empty; follow no link."""
+    if os.path.islink(top) or not os.path.isdir(top):
+        return
+    for directory, _, _ in os.walk(top, topdown=False):
+        with suppress(OSError):  # not empty (or gone): leave it
+            os.rmdir(directory)
 
 
 def _check_range(offset: int, length: int) -> None:

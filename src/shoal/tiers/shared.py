@@ -17,7 +17,6 @@ fsspec's global caches, and listings always reflect what other hosts wrote.
 from __future__ import annotations
 
 import datetime as dt
-import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -28,7 +27,13 @@ from fsspec.implementations.local import LocalFileSystem
 
 from shoal.errors import InvalidName, MissingFile, ShoalError, TierError
 from shoal.tiers.base import CommitStrategy, Data, FileInfo, Tier, TierCapabilities, iter_byte_views
-from shoal.tiers.local import AtomicRenameCommit, check_prefix, check_tier_path, is_temp_name
+from shoal.tiers.local import (
+    AtomicRenameCommit,
+    check_prefix,
+    check_tier_path,
+    is_temp_name,
+    remove_empty_dirs_below,
+)
 
 try:  # botocore errors are not OSErrors; only s3fs users have botocore
     from botocore.exceptions import BotoCoreError, ClientError
@@ -238,13 +243,8 @@ class FsspecTier(Tier):
         """
         if not isinstance(self.fs, LocalFileSystem):
             return
-        top = self._abs(prefix.rstrip("/"))
-        if os.path.islink(top) or not os.path.isdir(top):
-            return
         with self._wrap("remove empty directories under", prefix):
-            for directory, _, _ in os.walk(top, topdown=False):
-                with suppress(OSError):  # not empty (or gone): leave it
-                    os.rmdir(directory)
+            remove_empty_dirs_below(self._abs(prefix.rstrip("/")))
 
 
 def _mtime(info: Mapping[str, Any]) -> float:
