@@ -50,7 +50,7 @@ from shoal.boundary import Boundary
 from shoal.engine.handle import SaveHandle
 from shoal.engine.restore import LoadReport, Restore
 from shoal.engine.stager import StageEntry
-from shoal.errors import FormatError
+from shoal.errors import ConfigError, FormatError, StateError, UnsupportedValue
 from shoal.format.crosscheck import check_metadata, item_dtype, item_key
 from shoal.format.dcp_codec import decode_metadata
 from shoal.format.manifest import ItemRecord, Manifest
@@ -135,12 +135,12 @@ class StorageWriter(_DcpStorageWriter):
     def handle(self) -> SaveHandle:
         """The checkpoint's :class:`SaveHandle` (available once ``write_data`` ran)."""
         if self._handle is None:
-            raise RuntimeError(f"step {self.step}: the writer has not been used by dcp.save yet")
+            raise StateError(f"step {self.step}: the writer has not been used by dcp.save yet")
         return self._handle
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            raise ValueError(
+            raise ConfigError(
                 "shoal.dcp.StorageWriter is addressed by (Checkpointer, step); call dcp.save without "
                 f"checkpoint_id (got {checkpoint_id!r})"
             )
@@ -166,7 +166,7 @@ class StorageWriter(_DcpStorageWriter):
             else:
                 payload = data.detach() if isinstance(data, torch.Tensor) else data
                 if not isinstance(payload, torch.Tensor):
-                    raise TypeError(
+                    raise UnsupportedValue(
                         f"item {key!r}: the planner resolved a {type(data).__name__}, not a tensor"
                     )
             entries.append(StageEntry(key, payload))
@@ -249,7 +249,7 @@ class StorageReader(_DcpStorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            raise ValueError(
+            raise ConfigError(
                 "shoal.dcp.StorageReader is addressed by (Checkpointer, step); call dcp.load without "
                 f"checkpoint_id (got {checkpoint_id!r})"
             )
@@ -291,7 +291,7 @@ class StorageReader(_DcpStorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._restore is None or self._restore.manifest is None:
-            raise RuntimeError("read_data before read_metadata")
+            raise StateError("shoal.dcp.StorageReader: read_data was called before read_metadata")
         manifest = self._restore.manifest
         storage = self._metadata.storage_data or {}
         groups: dict[str, list[ReadItem]] = defaultdict(list)

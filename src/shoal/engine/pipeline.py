@@ -28,7 +28,7 @@ from shoal.engine.handle import SaveHandle
 from shoal.engine.retention import apply_retention, latest_step, pack_ids_on, plan_retention
 from shoal.engine.stager import SlotRing
 from shoal.engine.store import list_checkpoints
-from shoal.errors import WriterFenced
+from shoal.errors import StateError, WriterFenced
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class Pipeline:
         """Queue a staged checkpoint (called by the training thread right after staging)."""
         with self._cond:
             if self._closed:
-                raise RuntimeError("the pipeline is closed")
+                raise StateError("the pipeline is closed: this Checkpointer was closed")
             self._pending[job.step] = job
             if self._thread is None:
                 name = f"shoal-pipeline-r{self.context.rank}"

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from shoal.errors import InvalidName, UnsupportedValue
 from shoal.format.names import check_item_key
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ def stage_into(slot: Slot, dram: SlabSource, entries: Sequence[StageEntry], *, r
     for e in entries:
         check_item_key(e.key)
         if e.key in seen:
-            raise ValueError(f"item key {e.key!r} appears twice in one checkpoint")
+            raise InvalidName(f"item key {e.key!r} appears twice in one checkpoint")
         seen.add(e.key)
     offsets, total = layout(entries)
     if slot.slab is None:
@@ -126,7 +127,9 @@ def stage_into(slot: Slot, dram: SlabSource, entries: Sequence[StageEntry], *, r
         p = e.payload
         if isinstance(p, torch.Tensor):
             if p.is_sparse or p.layout != torch.strided:
-                raise TypeError(f"item {e.key!r}: only strided (dense) tensors can be staged, got {p.layout}")
+                raise UnsupportedValue(
+                    f"item {e.key!r}: only strided (dense) tensors can be staged, got {p.layout}"
+                )
             _copy_tensor(buffer, off, p)
             staged.append(
                 StagedItem(e.key, "tensor", _nbytes(p), off, rank, dtype_name(p.dtype), tuple(p.shape))

@@ -127,7 +127,7 @@ class ItemReader:
         if rec is None:
             raise CheckpointNotFound(f"step {self.manifest.step} has no item {key!r} on {self.tier.url}")
         if out.nbytes != rec.nbytes:
-            raise ValueError(f"item {key!r} is {rec.nbytes} bytes, destination holds {out.nbytes}")
+            raise FormatError(f"item {key!r} is {rec.nbytes} bytes, destination holds {out.nbytes}")
         scratch = memoryview(self._scratch)
         for i, (dig, item_off, length) in enumerate(self.manifest.chunk_spans(key)):
             loc = self.manifest.locations.get(dig)
