@@ -309,3 +309,23 @@ def test_shoal_gc_lists_and_drops_what_a_crashed_process_left_staged(roots, caps
         target = zeros_like_state(_state(0))
         assert ckpt.load(target) == 1
         assert_state_equal(target, _state(1))
+
+
+def test_a_second_checkpointer_in_the_same_process_says_to_close_the_first(roots):
+    cfg = _config(roots["a"], roots["dram"], roots["local"])
+    first = shoal.Checkpointer(cfg)
+    try:
+        with pytest.raises(OwnershipError, match=r"this process already has a Checkpointer open.*close\(\)"):
+            shoal.Checkpointer(cfg)
+    finally:
+        first.close()
+    shoal.Checkpointer(cfg).close()  # closed: the lock is free again
+
+
+def test_a_world_writable_root_like_dev_shm_itself_is_refused_with_the_way_out(tmp_path, roots):
+    public = tmp_path / "public"
+    public.mkdir()
+    public.chmod(0o1777)
+    with pytest.raises(OwnershipError, match="writable by other users") as info:
+        shoal.Checkpointer(_config(roots["a"], public, roots["local"]))
+    assert "a directory of your own" in str(info.value)

@@ -236,6 +236,12 @@ class HostLock:
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
+            if holder == str(os.getpid()):
+                raise OwnershipError(
+                    f"this process already has a Checkpointer open for job {self.job!r} as rank "
+                    f"{self.rank} on host {self.host!r} (lock {self.path}); close() it (or use it as a "
+                    "context manager) before creating another, or give the new one another Config.job"
+                ) from None
             pid = f"pid {holder}" if holder.isdigit() else "another process"
             raise OwnershipError(
                 f"lock {self.path} is held by {pid}: a live process already checkpoints job "
