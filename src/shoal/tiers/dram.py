@@ -221,7 +221,8 @@ class DramTier(PosixTier):
         need = f"needs {needed} bytes ({needed / _GIB:.2f} GiB)" if needed is not None else "ran out of space"
         return InsufficientMemory(
             f"DRAM tier {self.root} {need} for {what} but only {free} bytes ({free / _GIB:.2f} GiB) are "
-            f"free on its file system (normally /dev/shm); free space there (old slabs, other jobs), "
+            f"free on its file system (normally /dev/shm); free space there (old slabs: `shoal gc --staged` "
+            f"lists what crashed processes left; other jobs), "
             f"enlarge it (docker --shm-size, a bigger memory-backed emptyDir), or lower Config.dram_slots"
         )
 
