@@ -45,7 +45,8 @@ from typing import Any
 
 import blake3
 
-from shoal import __version__, failpoints
+from shoal import failpoints
+from shoal._version import __version__
 from shoal.boundary import Boundary
 from shoal.engine.catalog import ChunkCatalog, pack_problems, require_packs
 from shoal.engine.fence import WriterFence, after_failed_commit
