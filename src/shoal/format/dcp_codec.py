@@ -37,16 +37,16 @@ could not hold it. Known fields the writing torch lacks are written with their d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import pathlib
 import re
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeGuard, TypeVar
+from typing import Any, NoReturn, Protocol, TypeGuard, TypeVar
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -222,10 +222,44 @@ def _construct(
         _fail(path, f"cannot rebuild {getattr(cls, '__name__', cls)}: {exc}")
 
 
+# --- DCP's FileSystemWriter entry (a private torch class) -----------------------------------------
+
+
+class _StorageInfoLike(Protocol):
+    """What this codec reads of a ``storage_info`` value: the fields ``FileSystemReader`` reads."""
+
+    relative_path: str
+    offset: int
+    length: int
+
+
+@functools.cache
+def _storage_info_class() -> type[Any] | None:
+    """DCP's private ``torch.distributed.checkpoint.filesystem._StorageInfo``, or None if this torch lacks it.
+
+    The one place shoal names that private class. ``FileSystemReader`` itself only reads the fields
+    (``relative_path``, ``offset``, ``length``, ``transform_descriptors``), but the codec needs the
+    class itself both ways round: the encoder accepts exactly that type (anything else would need
+    pickle), and the decoder must rebuild an instance of it, so that decoded metadata equals the
+    original (dataclass equality compares classes) and pickles, as DCP's own ``.metadata`` file does,
+    to a class every torch reader has. torch has no public name for it. If a torch release drops it,
+    metadata holding no such entries (all of shoal's own) still encodes and decodes; an encoded
+    ``storage_info`` entry is then refused as a :class:`FormatError`.
+    """
+    try:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+    except ImportError:
+        return None
+    if not dataclasses.is_dataclass(_StorageInfo):
+        return None
+    fields = {f.name for f in dataclasses.fields(_StorageInfo)}
+    return _StorageInfo if set(_STORAGE_INFO_FIELDS[:3]) <= fields else None
+
+
 # --- generic values ------------------------------------------------------------------------------
 
 
-def _encode_storage_info(info: _StorageInfo, path: str, depth: int) -> dict[str, Any]:
+def _encode_storage_info(info: _StorageInfoLike, path: str, depth: int) -> dict[str, Any]:
     _check_storage_info(info.relative_path, info.offset, info.length, path)
     descriptors = getattr(info, "transform_descriptors", None)
     _check_descriptors(descriptors, path)
@@ -238,7 +272,10 @@ def _encode_storage_info(info: _StorageInfo, path: str, depth: int) -> dict[str,
     return {"storage_info": fields | _encode_extra(info, _STORAGE_INFO_FIELDS, path, depth)}
 
 
-def _decode_storage_info(body: object, path: str, depth: int) -> _StorageInfo:
+def _decode_storage_info(body: object, path: str, depth: int) -> Any:
+    cls = _storage_info_class()
+    if cls is None:
+        _fail(path, "this torch has no FileSystemWriter storage info (_StorageInfo) to rebuild the entry as")
     fields = _fields(body, f"{path}.storage_info", _STORAGE_INFO_FIELDS, (_EXTRA,))
     _check_storage_info(fields["relative_path"], fields["offset"], fields["length"], path)
     descriptors = _decode_value(fields["transform_descriptors"], f"{path}.transform_descriptors", depth + 1)
@@ -249,7 +286,7 @@ def _decode_storage_info(body: object, path: str, depth: int) -> _StorageInfo:
         "length": fields["length"],
         "transform_descriptors": descriptors,
     }
-    return _construct(_StorageInfo, values, fields, f"{path}.storage_info", depth)
+    return _construct(cls, values, fields, f"{path}.storage_info", depth)
 
 
 def _encode_value(value: object, path: str, depth: int = 0) -> Any:
@@ -279,8 +316,8 @@ def _encode_value(value: object, path: str, depth: int = 0) -> Any:
             for i, (k, v) in enumerate(items.items())
         ]
         return {"pairs": pairs}
-    if kind is _StorageInfo and isinstance(value, _StorageInfo):
-        return _encode_storage_info(value, path, depth)
+    if kind is _storage_info_class():
+        return _encode_storage_info(value, path, depth)  # type: ignore[arg-type]
     _fail(
         path,
         f"cannot encode a value of type {kind.__module__}.{kind.__qualname__} without pickle: {_show(value)}",
