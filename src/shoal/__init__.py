@@ -13,10 +13,9 @@ reports each durability boundary as it is reached::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING
 
+from shoal._version import __version__
 from shoal.boundary import Boundary
 from shoal.config import Config
 from shoal.engine.handle import SaveHandle
