@@ -10,7 +10,8 @@ TORCH_PIN := torch==2.13.0
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# _version.py too: the installed metadata carries the version (pyproject reads it from there)
+$(STAMP): pyproject.toml src/shoal/_version.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
@@ -23,9 +24,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# ruff, mypy, then the import-layer contract in pyproject.toml ([tool.importlinter], DESIGN.md section 2)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 
 bench: $(STAMP)
 	$(PY) benchmarks/stall.py
