@@ -66,12 +66,18 @@ def test_import_contract_is_kept() -> None:
         ("engine/retention.py", "from shoal import __version__", "shoal.engine is not allowed to import"),
         ("checkpointer.py", "import shoal.testing.scenarios", "shoal.checkpointer is not allowed to import"),
         ("cli/ls.py", "import shoal.testing.tiers", "shoal.cli is not allowed to import shoal.testing"),
+        ("demo.py", "import shoal.testing.scenarios", "shoal.demo is not allowed to import shoal.testing"),
+        # the KV store, once it exists, is a front door independent of the other two
+        ("kv.py", "import shoal.checkpointer", "shoal.kv is not allowed to import shoal.checkpointer"),
+        ("engine/retention.py", "import shoal.kv", "shoal.engine is not allowed to import shoal.kv"),
     ],
 )
 def test_import_contract_breaks_for_a_wrong_way_import(
     tmp_path: Path, module: str, line: str, broken: str
 ) -> None:
-    target = _copy_of_the_package(tmp_path) / module
+    package = _copy_of_the_package(tmp_path)
+    (package / "kv.py").write_text('"""A front door to be."""\n')
+    target = package / module
     target.write_text(target.read_text() + f"\n{line}  # the wrong way\n")
     result = _lint_imports(tmp_path, tmp_path / "src")
     assert result.returncode != 0, result.stdout
