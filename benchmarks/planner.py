@@ -9,25 +9,19 @@ first checkpoint). Workloads:
   rank, the rest (in two items) unique to each rank;
 * ``unique``: every chunk of every rank is different (fully sharded state).
 
-How the reports are built matters, and is not timed:
-
-* ``compact`` (the default): each rank's report is a :class:`~shoal.group.plan.ChunkTable`
-  (keys and sizes per item, every digest as 32 raw bytes in one buffer, and the digests' 8-byte
-  prefixes the rank made), unpickled from its own bytes, as the group save's exchange delivers
-  it (``ReportItem.digests`` are views of one buffer per rank and ``RankReport.prefixes`` its
-  prefixes, which the coordinator hands the planner as a table);
-* ``interned``: each rank has its own report objects and tuples, but equal strings (digests,
-  keys) are one object, as when the exchange interns them;
-* ``unpickled``: each rank's report is unpickled from its own bytes, as ``gather_object``
-  delivers it: every digest string of every rank is a separate object in memory. Comparing
-  them costs memory traffic no planner can avoid (about 25 ns a digest on a 2-core VM).
+Each rank's report is a :class:`~shoal.group.plan.ChunkTable` (keys and sizes per item, every
+digest as 32 raw bytes in one buffer, and the digests' 8-byte prefixes the rank made), unpickled
+from its own bytes, as the group save's exchange delivers it (``ReportItem.digests`` are views
+of one buffer per rank and ``RankReport.prefixes`` its prefixes, which the coordinator hands
+the planner as a table): ``--inputs compact``, the planner's one input form. Building the
+reports is not timed.
 
 The timed call is ``plan_group_save`` (a fresh plan), and ``PlanCache.lookup_or_plan`` for
 equal reports in new objects, as the next checkpoint of an unchanged model delivers them
 (``cache hit``: layout and every digest compared, the plan reused).
 Prints a Markdown table. Usage::
 
-    python benchmarks/planner.py --ranks 64 1024 16384 --inputs compact interned unpickled
+    python benchmarks/planner.py --ranks 64 1024 16384 --workloads dp dp+zero unique --inputs compact
 """
 
 from __future__ import annotations
@@ -40,13 +34,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 from shoal.group.planner import (
     ChunkTable,
     Digests,
     GroupPlan,
-    ItemChunks,
     PlanCache,
     RankChunks,
     plan_group_save,
@@ -56,18 +48,13 @@ from shoal.group.topology import build_topology
 CHUNK = 4 << 20
 
 
-def _digests(n: int) -> list[str]:
-    raw = os.urandom(32 * n).hex()
-    return [raw[i : i + 64] for i in range(0, 64 * n, 64)]
-
-
 def _sent(table: ChunkTable) -> ChunkTable:
     """``table`` through a pickle with the prefixes its rank made, as the exchange delivers a report."""
     t, prefix = pickle.loads(pickle.dumps((table, table.digests.prefixes())))
     return ChunkTable.uniform(t.keys, t.nbytes, CHUNK, t.digests, prefix)
 
 
-def build_compact(workload: str, n_ranks: int, args: argparse.Namespace) -> list[RankChunks]:
+def build(workload: str, n_ranks: int, args: argparse.Namespace) -> list[RankChunks]:
     """Every rank's report as a table, unpickled from its own bytes (as the exchange delivers it)."""
     shared = {"dp": args.chunks, "dp+zero": args.shared, "unique": 0}[workload]
     n_own = args.chunks - shared
@@ -87,48 +74,9 @@ def build_compact(workload: str, n_ranks: int, args: argparse.Namespace) -> list
     return ranks
 
 
-def _items(prefix: str, digests: list[str], per_item: int) -> list[ItemChunks]:
-    out = []
-    for j, a in enumerate(range(0, len(digests), per_item)):
-        ds = tuple(digests[a : a + per_item])
-        out.append(ItemChunks(sys.intern(f"{prefix}.{j}"), CHUNK * len(ds), ds, (CHUNK,) * len(ds)))
-    return out
-
-
-def build(workload: str, n_ranks: int, args: argparse.Namespace) -> list[RankChunks]:
-    """Every rank's report: its own item objects and tuples, equal strings shared (interned)."""
-    shared = {"dp": args.chunks, "dp+zero": args.shared, "unique": 0}[workload]
-    common = _digests(shared)
-    own = _digests((args.chunks - shared) * n_ranks)
-    ranks = []
-    per_own = max(1, -(-(args.chunks - shared) // 2)) if workload == "dp+zero" else args.chunks_per_item
-    for r in range(n_ranks):
-        mine = own[r * (args.chunks - shared) : (r + 1) * (args.chunks - shared)]
-        items = _items("model", common, args.chunks_per_item) + _items("optim", mine, per_own)
-        ranks.append(RankChunks(r, f"host{r // args.ranks_per_host}", tuple(items)))
-    return ranks
-
-
-def copied_compact(ranks: list[RankChunks]) -> list[RankChunks]:
-    """Equal compact reports in new objects (the next checkpoint's exchange)."""
-    out = []
-    for rc in ranks:
-        assert isinstance(rc.items, ChunkTable)
-        out.append(RankChunks(rc.rank, rc.host, _sent(rc.items)))
-    return out
-
-
-def unpickled(ranks: list[RankChunks]) -> list[RankChunks]:
-    """Each rank's report as ``gather_object`` delivers it: unpickled from its own bytes."""
-    return [pickle.loads(pickle.dumps(rc)) for rc in ranks]
-
-
 def copied(ranks: list[RankChunks]) -> list[RankChunks]:
-    """Equal reports in new objects and tuples (the next checkpoint's exchange), strings shared."""
-    return [
-        RankChunks(rc.rank, rc.host, tuple(replace(i, digests=tuple(list(i.digests))) for i in rc.items))
-        for rc in ranks
-    ]
+    """Equal reports in new objects (the next checkpoint's exchange)."""
+    return [RankChunks(rc.rank, rc.host, _sent(rc.items)) for rc in ranks]
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:
@@ -160,7 +108,9 @@ def main() -> None:
     ap.add_argument(
         "--workloads", nargs="+", default=["dp", "dp+zero", "unique"], choices=["dp", "dp+zero", "unique"]
     )
-    ap.add_argument("--inputs", nargs="+", default=["compact"], choices=["compact", "interned", "unpickled"])
+    ap.add_argument(
+        "--inputs", nargs="+", default=["compact"], choices=["compact"], help="the planner's one input form"
+    )
     ap.add_argument("--chunks", type=int, default=1000, help="chunks per rank")
     ap.add_argument("--chunks-per-item", type=int, default=5)
     ap.add_argument("--shared", type=int, default=900, help="chunks every rank holds (dp+zero)")
@@ -177,14 +127,8 @@ def main() -> None:
     for workload in args.workloads:
         for inputs in args.inputs:
             for n in args.ranks:
-                if inputs == "compact":
-                    ranks = build_compact(workload, n, args)
-                    again = copied_compact(ranks)
-                else:
-                    ranks = build(workload, n, args)
-                    again = unpickled(ranks) if inputs == "unpickled" else copied(ranks)
-                if inputs == "unpickled":
-                    ranks = unpickled(ranks)
+                ranks = build(workload, n, args)
+                again = copied(ranks)
                 plan, seconds, hit = measure(ranks, again, args.repeats)
                 print(
                     f"| {workload} | {inputs} | {n:,} | {seconds:.3f} | {hit:.3f} | "

@@ -13,20 +13,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shoal.errors import ConfigError
-from shoal.group._holdings import index_reports, same_reports
+from shoal.group._tables import index_tables, same_tables
 from shoal.group.planner import (
     ChunkRef,
+    ChunkTable,
+    Digests,
     GroupPlan,
     ItemChunks,
     PlanCache,
     RankChunks,
     Transfer,
     plan_group_save,
-    plan_save,
 )
 from shoal.group.topology import Topology, build_topology
 
-from .planner_helpers import _d, _item, hosts_by_digest
+from .planner_helpers import _d, _item, hosts_by_digest, pickled, plan_drains, rank, table
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,14 @@ def group_scenarios(draw: st.DrawFn, min_hosts: int = 2) -> GroupScenario:
     ids = st.integers(0, pool - 1)
     common = draw(st.lists(ids, max_size=6))  # replicated weights
     ranks = []
-    for rank, host in enumerate(rank_hosts):
+    for r, host in enumerate(rank_hosts):
         items = [_item("common", common, lengths)] if common and draw(st.booleans()) else []
         for name in ("a", "b"):
             own = draw(st.lists(ids, max_size=6))
             if own:
                 # Sometimes the key is shared by every rank (same tensor name, other content).
-                items.append(_item(name if draw(st.booleans()) else f"r{rank}.{name}", own, lengths))
-        ranks.append(RankChunks(rank, host, tuple(items)))
+                items.append(_item(name if draw(st.booleans()) else f"r{r}.{name}", own, lengths))
+        ranks.append(rank(r, host, *items))
     durable = frozenset(_d(i) for i in draw(st.sets(ids)))
     held = {h: frozenset(_d(i) for i in draw(st.sets(ids, max_size=4))) for h in hosts if draw(st.booleans())}
     return GroupScenario(tuple(ranks), topology, durable, held, lengths)
@@ -112,28 +113,28 @@ def _check_group(sc: GroupScenario, plan: GroupPlan) -> None:
         assert t.chunks and t.nbytes == sum(c.length for c in t.chunks)
         assert list(t.chunks) == sorted(t.chunks, key=lambda r: (r.key, r.index))
         src_host, dst_host = topo.host_of(t.src_rank), topo.host_of(t.dst_rank)
-        assert dst_host != src_host and topo.domain_of(dst_host) != topo.domain_of(src_host)
+        assert dst_host != src_host and topo.domains[dst_host] != topo.domains[src_host]
         assert t.dst_rank == topo.partner_rank(t.src_rank)
         for ref in t.chunks:
             assert ref.digest in sc.new(), "durable chunks are not replicated"
             assert owner[ref.digest] == t.src_rank and ref.digest not in sent
             assert ref.digest not in sc.held.get(dst_host, ()), "the partner already holds it"
-            assert len({topo.domain_of(h) for h in copies[ref.digest]}) == 1, "it was not on two domains yet"
+            assert len({topo.domains[h] for h in copies[ref.digest]}) == 1, "it was not on two domains yet"
             _where(sc, t.src_rank, ref)
             sent.add(ref.digest)
             copies[ref.digest].add(dst_host)
     for d in sc.new():
-        assert len({topo.domain_of(h) for h in copies[d]}) >= 2, f"{d} is not on two failure domains"
+        assert len({topo.domains[h] for h in copies[d]}) >= 2, f"{d} is not on two failure domains"
     # Accounting.
     assert plan.logical_bytes == sum(it.nbytes for rc in sc.ranks for it in rc.items)
     assert plan.unique_bytes == sum(sc.lengths[d] for d in staged)
     assert plan.reused_bytes == sum(sc.lengths[d] for d in set(staged) & sc.durable)
     assert plan.new_bytes == sum(d.nbytes for d in plan.drains) == sum(plan.bytes_per_host().values())
     assert plan.replicated_bytes == sum(sc.lengths[d] for d in sent)
-    for rank in range(topo.world_size):
-        assert plan.sends_from(rank) == tuple(t for t in plan.transfers if t.src_rank == rank)
-        assert plan.receives_at(rank) == tuple(t for t in plan.transfers if t.dst_rank == rank)
-        assert plan.drain_for(rank) == next((d for d in plan.drains if d.rank == rank), None)
+    for r in range(topo.world_size):
+        assert plan.sends_from(r) == tuple(t for t in plan.transfers if t.src_rank == r)
+        assert plan.receives_at(r) == tuple(t for t in plan.transfers if t.dst_rank == r)
+        assert plan.drain_for(r) == next((d for d in plan.drains if d.rank == r), None)
 
 
 @settings(max_examples=200, deadline=None)
@@ -142,8 +143,8 @@ def test_group_plan_invariants(sc: GroupScenario) -> None:
     plan = plan_group_save(5, sc.ranks, sc.durable, sc.topology, held=sc.held)
     assert plan.step == 5
     _check_group(sc, plan)
-    # The drain is exactly the single-host planner's.
-    assert plan.drains == plan_save(5, sc.ranks, sc.durable).drains
+    # The drain depends on neither partners nor failure domains.
+    assert plan.drains == plan_drains(5, sc.ranks, sc.durable).drains
 
 
 @settings(max_examples=100, deadline=None)
@@ -161,14 +162,14 @@ def test_group_plan_does_not_depend_on_rank_order(sc: GroupScenario, rnd: random
 def test_without_replication_nothing_is_sent(sc: GroupScenario) -> None:
     plan = plan_group_save(1, sc.ranks, sc.durable, sc.topology, held=sc.held, replicate=False)
     assert plan.transfers == () and plan.replicated_bytes == 0
-    assert plan.drains == plan_save(1, sc.ranks, sc.durable).drains
+    assert plan.drains == plan_drains(1, sc.ranks, sc.durable).drains
 
 
 def _dp(
     n_hosts: int, per_host: int, items: list[ItemChunks], shards: list[list[ItemChunks]] | None = None
 ) -> list[RankChunks]:
     return [
-        RankChunks(r, f"h{r // per_host}", tuple(items) + (tuple(shards[r]) if shards else ()))
+        rank(r, f"h{r // per_host}", *items, *(shards[r] if shards else ()))
         for r in range(n_hosts * per_host)
     ]
 
@@ -235,11 +236,7 @@ def test_freezing_ninety_percent_of_the_parameters_drains_a_tenth() -> None:
 
 def test_a_chunk_held_by_another_domain_is_not_sent() -> None:
     lengths = {_d(i): 10 for i in range(3)}
-    ranks = [
-        RankChunks(0, "h0", (_item("shard.0", [0, 1, 2], lengths),)),
-        RankChunks(1, "h1", ()),
-        RankChunks(2, "h2", ()),
-    ]
+    ranks = [rank(0, "h0", _item("shard.0", [0, 1, 2], lengths)), rank(1, "h1"), rank(2, "h2")]
     domains = {"h0": "a", "h1": "a", "h2": "b"}
     topo = build_topology(["h0", "h1", "h2"], domains=domains)
     assert topo.partner("h0") == "h2"
@@ -254,8 +251,8 @@ def test_a_chunk_held_by_another_domain_is_not_sent() -> None:
 def test_the_same_chunk_in_items_of_two_hosts_is_drained_once_and_not_sent() -> None:
     lengths = {_d(i): 10 for i in range(4)}
     ranks = [
-        RankChunks(0, "h0", (_item("a", [0, 1], lengths), _item("zeros", [3, 3], lengths))),
-        RankChunks(1, "h1", (_item("b", [2, 1], lengths),)),
+        rank(0, "h0", chunks={"a": [0, 1], "zeros": [3, 3]}, lengths=lengths),
+        rank(1, "h1", chunks={"b": [2, 1]}, lengths=lengths),
     ]
     topo = build_topology(["h0", "h1"])
     plan = plan_group_save(0, ranks, set(), topo)
@@ -270,21 +267,27 @@ def test_planner_rejects_inconsistent_reports() -> None:
     lengths = {_d(0): 10}
     topo = build_topology(["h0", "h1"])
     with pytest.raises(ConfigError, match="rank 1 reports host 'h0'.*'h1'"):
-        plan_group_save(0, [RankChunks(1, "h0", ())], set(), topo)
+        plan_group_save(0, [rank(1, "h0")], set(), topo)
     with pytest.raises(ConfigError, match="rank 0 reported its chunks twice"):
-        plan_group_save(0, [RankChunks(0, "h0", ()), RankChunks(0, "h0", ())], set(), topo)
+        plan_group_save(0, [rank(0, "h0"), rank(0, "h0")], set(), topo)
     with pytest.raises(ConfigError, match="job has 2 ranks"):
-        plan_group_save(0, [RankChunks(2, "h0", ())], set(), topo)
+        plan_group_save(0, [rank(2, "h0")], set(), topo)
     with pytest.raises(ConfigError, match="rank -1 reported chunks, but the job has 2 ranks"):
-        plan_group_save(0, [RankChunks(-1, "h0", ()), RankChunks(0, "h0", ())], set(), topo)
+        plan_group_save(0, [rank(-1, "h0"), rank(0, "h0")], set(), topo)
     with pytest.raises(ConfigError, match="rank 1 reports host 'h2'.*'h1'"):
-        plan_group_save(0, [RankChunks(1, "h2", ()), RankChunks(0, "h0", ())], set(), topo)
+        plan_group_save(0, [rank(1, "h2"), rank(0, "h0")], set(), topo)
     with pytest.raises(ConfigError, match="partners"):
         plan_group_save(0, [], set(), build_topology(["h0", "h1"], replicate=False))
-    bad = ItemChunks("w", 10, (_d(0),), (10, 10))
-    with pytest.raises(ValueError, match="item 'w': 1 chunk digests but 2 chunk lengths"):
-        plan_group_save(0, [RankChunks(0, "h0", (bad,))], set(), topo)
-    assert plan_group_save(0, [RankChunks(0, "h0", (_item("w", [0], lengths),))], set(), topo).new_bytes == 10
+    # One digest for two chunk lengths: the report cannot be built.
+    with pytest.raises(ValueError, match="2 chunks in the items, but 1 digests"):
+        ChunkTable(["w"], [10], [2], [10, 10], Digests.from_hex([_d(0)]))
+    # A report that is not a table (the tuples of ItemChunks the planner once read) is refused.
+    items = (_item("w", [0], lengths),)
+    with pytest.raises(
+        TypeError, match="rank 0 reports its items as tuple; the planner reads one ChunkTable"
+    ):
+        plan_group_save(0, [RankChunks(0, "h0", items)], set(), topo)  # type: ignore[arg-type]
+    assert plan_group_save(0, [rank(0, "h0", *items)], set(), topo).new_bytes == 10
 
 
 @st.composite
@@ -321,27 +324,27 @@ def layouts(draw: st.DrawFn) -> list[tuple[ItemChunks, ...]]:
 @given(layouts())
 def test_distinct_items_and_their_holders_are_exact(reports: list[tuple[ItemChunks, ...]]) -> None:
     """The template shortcut finds the same holders as a plain dictionary of every item."""
-    h = index_reports(reports)
+    tables = [table(items) for items in reports]
+    h = index_tables(tables)
     expected: dict[tuple[str, tuple[str, ...]], set[int]] = {}
     for slot, items in enumerate(reports):
         for it in items:
-            expected.setdefault((it.key, it.digests), set()).add(slot)
+            expected.setdefault((it.key, tuple(it.digests)), set()).add(slot)
     got = {}
     for i, it in enumerate(h.items):
         code = int(h.holder[i])
-        got[(it.key, it.digests)] = {code} if code >= 0 else set(h.sets[-1 - code])
+        got[(it.key, tuple(it.digests))] = {code} if code >= 0 else set(h.sets[-1 - code])
     assert got == expected
     assert h.logical_bytes == sum(it.nbytes for items in reports for it in items)
-    assert same_reports(
-        h, [tuple(ItemChunks(i.key, i.nbytes, i.digests, i.lengths) for i in r) for r in reports]
-    )
+    assert same_tables(h, [table(r) for r in reports]), "equal tables in new objects"
     for slot, items in enumerate(reports):
         if items:
-            changed = list(reports)
-            changed[slot] = items[:-1] + (
-                ItemChunks(items[-1].key, items[-1].nbytes + 1, items[-1].digests, items[-1].lengths),
+            changed = list(tables)
+            changed[slot] = table(
+                items[:-1]
+                + (ItemChunks(items[-1].key, items[-1].nbytes + 1, items[-1].digests, items[-1].lengths),)
             )
-            assert not same_reports(h, changed)
+            assert not same_tables(h, changed)
     digests = [d for it in h.items for d in it.digests]
     assert h.digests == digests
     if h.dups is None:
@@ -369,14 +372,7 @@ def test_plan_cache_reuses_the_plan_while_nothing_changed() -> None:
     cache = PlanCache()
     first = cache.lookup_or_plan(1, ranks, set(), topo)
     assert first == plan_group_save(1, ranks, set(), topo)
-    copies = [
-        RankChunks(
-            rc.rank,
-            rc.host,
-            tuple(ItemChunks(i.key, i.nbytes, tuple(i.digests), i.lengths) for i in rc.items),
-        )
-        for rc in ranks
-    ]
+    copies = pickled(ranks)  # equal tables in new objects, through a pickle, as the next exchange's
     second = cache.lookup_or_plan(2, copies, set(), topo)
     assert second == replace(first, step=2)
     assert (cache.hits, cache.partial_hits, cache.misses) == (1, 0, 1)
@@ -411,11 +407,11 @@ def test_plan_cache_sees_every_change() -> None:
     # One digest of one rank changes: the layout is the same, the plan is not.
     lengths[_d(99)] = lengths[_d(20)]
     changed = list(ranks)
-    changed[0] = RankChunks(0, "h0", ranks[0].items[:2] + (_item("optim", [99, 21], lengths),))
+    changed[0] = rank(0, "h0", *ranks[0].items[:2], _item("optim", [99, 21], lengths))
     check(7, changed, set(drained), topo)
     assert cache.misses == 2
     # The layout signature (key, nbytes) changes.
-    renamed = [RankChunks(rc.rank, rc.host, rc.items[:1]) for rc in ranks]
+    renamed = [rank(rc.rank, rc.host, *rc.items[:1]) for rc in ranks]
     check(8, renamed, set(drained), topo)
     assert cache.misses == 3 and cache.hits == 2
 
@@ -435,7 +431,7 @@ def test_plan_cache_answers_like_a_fresh_plan(
     victim = data.draw(st.sampled_from([rc for rc in ranks if rc.items] or ranks))
     items = list(victim.items)
     if change == "copy":
-        ranks = [RankChunks(rc.rank, rc.host, tuple(replace(i) for i in rc.items)) for rc in ranks]
+        ranks = pickled(ranks)
     elif change == "digest" and items:
         p = data.draw(st.integers(0, len(items) - 1))
         ids = data.draw(st.lists(st.sampled_from(sorted(a.lengths)), min_size=1, max_size=3))
@@ -444,9 +440,7 @@ def test_plan_cache_answers_like_a_fresh_plan(
         )
     elif change == "drop" and items:
         items.pop()
-    ranks[victim.rank] = (
-        RankChunks(victim.rank, victim.host, tuple(items)) if change != "copy" else ranks[victim.rank]
-    )
+    ranks[victim.rank] = rank(victim.rank, victim.host, *items) if change != "copy" else ranks[victim.rank]
     durable = data.draw(st.sampled_from([a.durable, b.durable, frozenset()]))
     held = data.draw(st.sampled_from([a.held, b.held, {}]))
     got = cache.lookup_or_plan(2, ranks, durable, a.topology, held=held)
@@ -460,7 +454,7 @@ def test_group_save_for_sixteen_thousand_ranks() -> None:
     lengths = {_d(i): 4 << 20 for i in range(n_ranks * 2 + 64)}
     shared = _item("replicated", list(range(n_ranks * 2, n_ranks * 2 + 64)), lengths)
     ranks = [
-        RankChunks(r, f"host-{r // per_host}", (_item("shard", [2 * r, 2 * r + 1], lengths), shared))
+        rank(r, f"host-{r // per_host}", _item("shard", [2 * r, 2 * r + 1], lengths), shared)
         for r in range(n_ranks)
     ]
     topo = build_topology([rc.host for rc in ranks])
@@ -491,13 +485,13 @@ def test_plans_pickle_compactly() -> None:
 
 def test_planning_restores_the_garbage_collector() -> None:
     lengths = {_d(0): 10}
-    ranks = [RankChunks(0, "h0", (_item("w", [0], lengths),))]
+    ranks = [rank(0, "h0", _item("w", [0], lengths))]
     assert gc.isenabled()
-    plan_save(0, ranks, set())
+    plan_drains(0, ranks, set())
     assert gc.isenabled()
     gc.disable()
     try:
-        plan_save(0, ranks, set())
+        plan_drains(0, ranks, set())
         assert not gc.isenabled()
     finally:
         gc.enable()

@@ -1,4 +1,4 @@
-"""The pure save planner (single plans): dedup, one owner per new chunk, drain bytes balanced over hosts."""
+"""The save planner without replication: dedup, one owner per new chunk, drain bytes balanced by host."""
 
 from __future__ import annotations
 
@@ -9,14 +9,9 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.group.planner import (
-    CheckpointPlan,
-    ChunkRef,
-    RankChunks,
-    plan_save,
-)
+from shoal.group.planner import ChunkRef, GroupPlan, RankChunks
 
-from .planner_helpers import _d, _item, hosts_by_digest
+from .planner_helpers import _d, _item, hosts_by_digest, plan_drains, rank
 
 
 @dataclass(frozen=True)
@@ -37,21 +32,18 @@ def scenarios(draw: st.DrawFn, replicated: bool = False) -> Scenario:
     pool = draw(st.integers(1, 30))
     lengths = {_d(i): draw(st.integers(1, 1000)) for i in range(pool)}
     ranks = []
-    for rank in range(hosts * per_host):
+    for r in range(hosts * per_host):
         # Replicated: every rank holds the whole state (data parallel), split into two items.
         ids = list(range(pool)) if replicated else draw(st.lists(st.integers(0, pool - 1), max_size=12))
         cut = draw(st.integers(0, len(ids)))
-        items = tuple(
-            _item(f"r{rank}.{name}", part, lengths)
-            for name, part in (("a", ids[:cut]), ("b", ids[cut:]))
-            if part
-        )
-        ranks.append(RankChunks(rank, f"host-{rank // per_host}", items))
+        parts = (("a", ids[:cut]), ("b", ids[cut:]))
+        items = [_item(f"r{r}.{name}", part, lengths) for name, part in parts if part]
+        ranks.append(rank(r, f"host-{r // per_host}", *items))
     durable = frozenset(_d(i) for i in draw(st.sets(st.integers(0, pool - 1))) if not replicated)
     return Scenario(tuple(ranks), durable, lengths)
 
 
-def _check_ownership(sc: Scenario, plan: CheckpointPlan) -> None:
+def _check_ownership(sc: Scenario, plan: GroupPlan) -> None:
     by_rank = {rc.rank: rc for rc in sc.ranks}
     owned: dict[str, int] = {}
     for drain in plan.drains:
@@ -70,17 +62,18 @@ def _check_ownership(sc: Scenario, plan: CheckpointPlan) -> None:
     assert set(owned) == held - sc.durable, "every new chunk is drained, no durable chunk is"
 
 
-def _check_accounting(sc: Scenario, plan: CheckpointPlan) -> None:
+def _check_accounting(sc: Scenario, plan: GroupPlan) -> None:
     held = {d for rc in sc.ranks for it in rc.items for d in it.digests}
     assert plan.logical_bytes == sum(it.nbytes for rc in sc.ranks for it in rc.items)
     assert plan.unique_bytes == sum(sc.lengths[d] for d in held)
     assert plan.reused_bytes == sum(sc.lengths[d] for d in held & sc.durable)
-    assert plan.new_bytes == plan.unique_bytes - plan.reused_bytes
+    assert plan.new_bytes == plan.unique_bytes - plan.reused_bytes == sum(d.nbytes for d in plan.drains)
+    assert plan.transfers == () and plan.replicated_bytes == 0
     assert sum(plan.bytes_per_host().values()) == plan.new_bytes
     assert [d.rank for d in plan.drains] == sorted({d.rank for d in plan.drains})
 
 
-def _check_locally_balanced(sc: Scenario, plan: CheckpointPlan) -> None:
+def _check_locally_balanced(sc: Scenario, plan: GroupPlan) -> None:
     """Each loaded host owns a chunk whose removal would leave it no fuller than any other holder of it.
 
     This is what greedy placement guarantees whatever the holders are; with every chunk available on
@@ -98,7 +91,7 @@ def _check_locally_balanced(sc: Scenario, plan: CheckpointPlan) -> None:
 @settings(max_examples=200, deadline=None)
 @given(scenarios())
 def test_plan_invariants(sc: Scenario) -> None:
-    plan = plan_save(9, sc.ranks, sc.durable)
+    plan = plan_drains(9, sc.ranks, sc.durable)
     assert plan.step == 9
     _check_ownership(sc, plan)
     _check_accounting(sc, plan)
@@ -108,7 +101,7 @@ def test_plan_invariants(sc: Scenario) -> None:
 @settings(max_examples=150, deadline=None)
 @given(scenarios(replicated=True))
 def test_drain_bytes_per_host_within_one_chunk_of_the_lower_bound(sc: Scenario) -> None:
-    plan = plan_save(1, sc.ranks, sc.durable)
+    plan = plan_drains(1, sc.ranks, sc.durable)
     _check_ownership(sc, plan)
     hosts = {rc.host for rc in sc.ranks}
     total, biggest = sum(sc.lengths.values()), max(sc.lengths.values())
@@ -133,10 +126,10 @@ def sharded_plus_replicated(draw: st.DrawFn) -> Scenario:
     lengths = {_d(i): draw(st.integers(1, 1000)) for i in range(pool)}
     owner = [draw(st.none() | st.integers(0, n_ranks - 1)) for _ in range(pool)]
     ranks = tuple(
-        RankChunks(
+        rank(
             r,
             f"host-{r // per_host}",
-            tuple(
+            *(
                 item
                 for item in (
                     _item(f"shard.{r}", [i for i in range(pool) if owner[i] == r], lengths),
@@ -154,7 +147,7 @@ def sharded_plus_replicated(draw: st.DrawFn) -> Scenario:
 @settings(max_examples=200, deadline=None)
 @given(sharded_plus_replicated())
 def test_sharded_plus_replicated_within_one_chunk_of_the_lower_bound(sc: Scenario) -> None:
-    plan = plan_save(4, sc.ranks, sc.durable)
+    plan = plan_drains(4, sc.ranks, sc.durable)
     _check_ownership(sc, plan)
     _check_locally_balanced(sc, plan)
     holders = sc.holders()
@@ -178,10 +171,10 @@ def test_replicated_chunks_go_where_the_own_shards_are_light() -> None:
     lengths = {_d(i): n for i, n in enumerate([100, 100, 100, 100, 110, 110, 105, 105])}
     replicated = _item("replicated", [6, 7], lengths)
     ranks = [
-        RankChunks(0, "host-0", (_item("shard.0", [0, 1, 2, 3], lengths), replicated)),
-        RankChunks(1, "host-1", (_item("shard.1", [4, 5], lengths), replicated)),
+        rank(0, "host-0", _item("shard.0", [0, 1, 2, 3], lengths), replicated),
+        rank(1, "host-1", _item("shard.1", [4, 5], lengths), replicated),
     ]
-    assert plan_save(1, ranks, set()).bytes_per_host() == {"host-0": 400, "host-1": 430}
+    assert plan_drains(1, ranks, set()).bytes_per_host() == {"host-0": 400, "host-1": 430}
 
 
 @settings(max_examples=100, deadline=None)
@@ -189,13 +182,13 @@ def test_replicated_chunks_go_where_the_own_shards_are_light() -> None:
 def test_plan_does_not_depend_on_rank_order(sc: Scenario, rnd: random.Random) -> None:
     shuffled = list(sc.ranks)
     rnd.shuffle(shuffled)
-    assert plan_save(3, shuffled, sc.durable) == plan_save(3, sc.ranks, sc.durable)
+    assert plan_drains(3, shuffled, sc.durable) == plan_drains(3, sc.ranks, sc.durable)
 
 
 def test_dedup_across_ranks_gives_one_owner() -> None:
     lengths = {_d(i): 10 for i in range(4)}
-    ranks = [RankChunks(r, f"h{r}", (_item("model.w", [0, 1, 2, 3], lengths),)) for r in range(4)]
-    plan = plan_save(0, ranks, set())
+    ranks = [rank(r, f"h{r}", _item("model.w", [0, 1, 2, 3], lengths)) for r in range(4)]
+    plan = plan_drains(0, ranks, set())
     assert plan.logical_bytes == 160 and plan.unique_bytes == 40 and plan.new_bytes == 40
     assert sorted(r.digest for d in plan.drains for r in d.chunks) == sorted(lengths)
     assert plan.bytes_per_host() == {f"h{r}": 10 for r in range(4)}
@@ -203,8 +196,8 @@ def test_dedup_across_ranks_gives_one_owner() -> None:
 
 def test_durable_chunks_are_not_assigned() -> None:
     lengths = {_d(i): 10 for i in range(3)}
-    ranks = [RankChunks(0, "h0", (_item("w", [0, 1, 2], lengths),))]
-    plan = plan_save(2, ranks, {_d(0), _d(2), _d(99)})
+    ranks = [rank(0, "h0", chunks={"w": [0, 1, 2]}, lengths=lengths)]
+    plan = plan_drains(2, ranks, {_d(0), _d(2), _d(99)})
     assert plan.drains == (plan.drains[0],)
     assert plan.drains[0].chunks == (ChunkRef(_d(1), "w", 1, 10),)
     assert plan.reused_bytes == 20 and plan.new_bytes == 10
@@ -212,16 +205,16 @@ def test_durable_chunks_are_not_assigned() -> None:
 
 def test_everything_durable_means_nothing_to_drain() -> None:
     lengths = {_d(i): 10 for i in range(3)}
-    ranks = [RankChunks(0, "h0", (_item("w", [0, 1, 2], lengths),))]
-    plan = plan_save(2, ranks, set(lengths))
+    ranks = [rank(0, "h0", _item("w", [0, 1, 2], lengths))]
+    plan = plan_drains(2, ranks, set(lengths))
     assert plan.drains == () and plan.new_bytes == 0 and plan.drain_for(0) is None
-    assert plan_save(0, [], set()).drains == ()
+    assert plan_drains(0, [], set()).drains == ()
 
 
 def test_a_chunk_repeated_inside_one_rank_is_drained_once() -> None:
     lengths = {_d(0): 10}
-    ranks = [RankChunks(0, "h0", (_item("zeros", [0, 0, 0], lengths), _item("more", [0], lengths)))]
-    plan = plan_save(1, ranks, set())
+    ranks = [rank(0, "h0", chunks={"zeros": [0, 0, 0], "more": [0]}, lengths=lengths)]
+    plan = plan_drains(1, ranks, set())
     assert plan.new_bytes == 10 and plan.logical_bytes == 40
     assert plan.drains[0].chunks == (ChunkRef(_d(0), "zeros", 0, 10),)
 
@@ -231,16 +224,13 @@ def test_sixteen_thousand_ranks_plan_quickly() -> None:
     n_ranks, per_host = 16_384, 8
     lengths = {_d(i): 4 << 20 for i in range(n_ranks * 2 + 16)}
     shared_ids = list(range(n_ranks * 2, n_ranks * 2 + 16))
+    replicated = _item("replicated", shared_ids, lengths)
     ranks = [
-        RankChunks(
-            r,
-            f"host-{r // per_host}",
-            (_item(f"shard.{r}", [2 * r, 2 * r + 1], lengths), _item("replicated", shared_ids, lengths)),
-        )
+        rank(r, f"host-{r // per_host}", _item(f"shard.{r}", [2 * r, 2 * r + 1], lengths), replicated)
         for r in range(n_ranks)
     ]
     start = time.perf_counter()
-    plan = plan_save(1000, ranks, set())
+    plan = plan_drains(1000, ranks, set())
     elapsed = time.perf_counter() - start
     assert plan.unique_bytes == len(lengths) * (4 << 20) == plan.new_bytes
     drained = plan.bytes_per_host()

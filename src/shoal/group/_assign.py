@@ -1,11 +1,8 @@
-"""Owners, replicas and runs: the planner's second stage (private to :mod:`shoal.group.planner`).
+"""Owners, replicas and runs: the planner's stages 2 and 3 (private to :mod:`shoal.group.planner`,
+whose docstring describes the algorithm).
 
-Input: the :class:`~shoal.group._holdings.Holdings` of the reports (distinct items, who
-holds them, duplicated chunks), where the slots run (:class:`Hosts`), what is durable and
-what hosts hold. Items held by one slot, all new and found nowhere else (*solo* items: a
-rank's own shard) are drained and sent whole by their holder, with numpy sums and no loop;
-every other chunk is handled one by one, and only chunks several slots hold go through the
-greedy (hosts by load, through one lazily refreshed heap per holder set, then ranks).
+Input: the :class:`~shoal.group._holdings.Holdings` of the reports, where the slots run
+(:class:`Hosts`), what is durable and what hosts hold. Output: the plan's drains and transfers.
 """
 
 from __future__ import annotations
@@ -210,7 +207,7 @@ def _runs(
 ) -> list[tuple[int, ChunkRuns]]:
     """(slot, runs) per slot, by slot: whole items plus single chunks, in (key, index) order.
 
-    Slots that have only whole items of their own compact report get their runs from the store
+    Slots that have only whole items of their own table get their runs from the store
     in one step (no object per item); the rest is built here, one run at a time.
     """
     done: list[tuple[int, ChunkRuns]] = []

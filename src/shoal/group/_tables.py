@@ -1,30 +1,11 @@
-"""Who holds what, from compact reports: the planner's first stage for :class:`ChunkTable` input.
+"""The planner's first stage: every rank's table reduced to distinct items and their holders.
 
-Private to :mod:`shoal.group.planner`; the counterpart of :mod:`shoal.group._holdings` (which
-reads the tuple form) and builds the same :class:`~shoal.group._holdings.Holdings`, so the
-second stage (:mod:`shoal.group._assign`) and the plan do not depend on the form. Nothing here
-makes a Python object per chunk, and per item only where items differ from their template:
-
-1. **Ranks.** Each rank's table is compared with the last similar rank's (a *template*): equal
-   digest buffers, keys and chunk counts (one ``memcmp`` and a tuple comparison) make a
-   data-parallel replica; otherwise, after a few sampled digests agree, numpy compares the two
-   buffers digest by digest and the items that differ are *extras* of the rank. A rank that
-   matches less than half of its template tries the template whose first digest and key it
-   shares (tensor-parallel shards alternate templates), and otherwise becomes a template.
-2. **Chunks.** The digests of every template item and every extra are keyed by their first 64
-   bits (BLAKE3 output is uniform), read from the tables' prefix columns (which the ranks make:
-   one contiguous array per rank, not a gather from every digest), and sorted in place
-   (``np.sort``, not ``argsort``). Keys seen once
-   are digests seen once; only the positions of repeated keys are found again (a bitmap, then
-   ``np.isin`` on the few hits) and grouped by their full 32 bytes. Equal means all 32 bytes
-   equal: a shared key alone merges nothing.
-3. **Items.** Two candidate items are one distinct item when they have the same key and the
-   same digests: only items all of whose digests repeat (or that have none) can, and only
-   those are compared, by key and digest group. The repeats left among distinct items are the
-   chunk duplicates of :class:`~shoal.group._holdings.Duplicates` (a tied weight, zeros).
-
-:class:`TableStore` then serves the second stage: keys, digests and lengths of distinct items,
-and runs of whole items of a rank's own table as lazy columns (:mod:`shoal.group.digests`).
+Private to :mod:`shoal.group.planner`, whose docstring describes the algorithm (stage 1 is
+this module): ranks compared with templates, chunks keyed by their digests' first 64 bits and
+sorted, repeats confirmed on all 32 bytes, items merged by key and digests. The result is a
+:class:`~shoal.group._holdings.Holdings`; :class:`TableStore` serves the second stage
+(:mod:`shoal.group._assign`) the keys, digests and lengths of distinct items, and runs of whole
+items of a rank's own table as lazy columns (:mod:`shoal.group.digests`).
 """
 
 from __future__ import annotations
@@ -128,13 +109,6 @@ def _against(
     return differ
 
 
-def _present(tables: Sequence[ChunkTable | None], slot: int) -> ChunkTable:
-    """The table of ``slot``, which reported items (a template's or an extra's)."""
-    t = tables[slot]
-    assert t is not None
-    return t
-
-
 def _head(t: ChunkTable) -> tuple[str, bytes]:
     buf, at = t.digests.buffer
     return t.keys[0], buf[at * DIGEST_SIZE : (at + 1) * DIGEST_SIZE]
@@ -143,7 +117,7 @@ def _head(t: ChunkTable) -> tuple[str, bytes]:
 class TableStore:
     """Distinct items as (slot, position) in the slots' tables: keys, digests, lengths on demand."""
 
-    def __init__(self, tables: list[ChunkTable | None], src: np.ndarray, pos: np.ndarray, layout: list[int]):
+    def __init__(self, tables: list[ChunkTable], src: np.ndarray, pos: np.ndarray, layout: list[int]):
         self.tables = tables
         self.src, self.pos = src, pos
         self.layout = layout
@@ -151,9 +125,11 @@ class TableStore:
         self._orders: dict[int, tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]] = {}
 
     def _at(self, i: int) -> tuple[ChunkTable, int]:
-        t = self.tables[int(self.src[i])]
-        assert t is not None
-        return t, int(self.pos[i])
+        return self.tables[int(self.src[i])], int(self.pos[i])
+
+    def items(self) -> Sequence[ItemChunks]:
+        """The distinct items as :class:`ItemChunks`, built on access."""
+        return _Items(self)
 
     def key(self, i: int) -> str:
         t, p = self._at(i)
@@ -182,7 +158,6 @@ class TableStore:
         got = self._orders.get(lid)
         if got is None:
             t = self.tables[lid]
-            assert t is not None
             order = tuple(sorted(range(len(t.keys)), key=t.keys.__getitem__))
             got = self._orders[lid] = (order, tuple(map(t.keys.__getitem__, order)), (0,) * len(order))
         return got
@@ -200,7 +175,7 @@ class TableStore:
         ok[busy] = False
         if not ok.any():
             return [], np.ones(len(whole), dtype=bool)
-        sizes = np.array([0 if t is None else len(t.keys) for t in self.tables], dtype=np.int64)
+        sizes = np.array([len(t.keys) for t in self.tables], dtype=np.int64)
         every = ok & (per_slot == sizes)
         out = []
         tables, layout, orders = self.tables, self.layout, self._orders
@@ -218,7 +193,6 @@ class TableStore:
             positions = self.pos[whole[by_slot]].tolist()
             for a, b in zip(cuts, [*cuts[1:], len(by_slot)], strict=True):
                 t = self.tables[int(s_sorted[a])]
-                assert t is not None
                 order = tuple(sorted(positions[a:b], key=t.keys.__getitem__))
                 keys = tuple(map(t.keys.__getitem__, order))
                 runs = ChunkRuns(keys, (0,) * len(order), ItemDigests(t, order), ItemLengths(t, order))
@@ -282,7 +256,7 @@ class _Items(Sequence[ItemChunks]):
         return map(self.__getitem__, range(len(self)))
 
 
-def index_tables(tables: Sequence[ChunkTable | None]) -> Holdings:
+def index_tables(tables: Sequence[ChunkTable]) -> Holdings:
     """Reduce every slot's table to distinct items and holders, then dedup their chunks."""
     tables = list(tables)
     n_slots = len(tables)
@@ -300,7 +274,7 @@ def index_tables(tables: Sequence[ChunkTable | None]) -> Holdings:
     last = last_layout = -1
     last_keys: tuple[str, ...] = ()
     for slot, t in enumerate(tables):
-        if t is None or not t.keys:
+        if not t.keys:
             continue
         keys = t.keys
         if keys is last_keys or keys == last_keys:
@@ -339,7 +313,7 @@ def index_tables(tables: Sequence[ChunkTable | None]) -> Holdings:
 
 
 def _dedup(
-    tables: list[ChunkTable | None],
+    tables: list[ChunkTable],
     templates: list[int],
     tpl: list[ChunkTable],
     classes: dict[tuple[int, tuple[int, ...]], list[int]],
@@ -362,7 +336,7 @@ def _dedup(
     pos = np.concatenate(
         [np.arange(n_tpl_items, dtype=np.int64) - np.repeat(np.cumsum(n_tpl) - n_tpl, n_tpl), *extra_pos]
     )
-    extras = [(_present(tables, s), p) for s, p in zip(extra_slot, extra_pos, strict=True)]
+    extras = [(tables[s], p) for s, p in zip(extra_slot, extra_pos, strict=True)]
 
     def column(name: str) -> np.ndarray:
         """A per-item column of the candidates: templates' whole, extras' at their positions."""
@@ -389,7 +363,7 @@ def _dedup(
         it = np.searchsorted(start, flat, side="right") - 1
         raw = []
         for s, p, k in zip(src[it].tolist(), pos[it].tolist(), (flat - start[it]).tolist(), strict=True):
-            t = _present(tables, s)
+            t = tables[s]
             buf, at = t.digests.buffer
             x = (at + int(t.starts[p]) + k) * DIGEST_SIZE
             raw.append(buf[x : x + DIGEST_SIZE])
@@ -421,8 +395,7 @@ def _dedup(
         nbytes, Split(distinct, bounds), classes, distinct[n_tpl_items:], ex_slot
     )
     store = TableStore(tables, src, pos, layout)
-    h = Holdings(_Items(store), holder, sets, logical, count, item_bytes, d_start, None, store=store)
-    h.seen = [() if t is None else t for t in tables]
+    h = Holdings(store, holder, sets, logical, count, item_bytes, d_start, None, seen=tables)
     places: dict[int, list[int]] = {}
     for g in groups:  # chunks of several candidates: duplicates where they are in distinct items
         it = np.searchsorted(start, g, side="right") - 1
@@ -439,7 +412,7 @@ def _dedup(
 
 
 def _same_items(
-    tables: list[ChunkTable | None],
+    tables: list[ChunkTable],
     src: np.ndarray,
     pos: np.ndarray,
     count: np.ndarray,
@@ -461,7 +434,7 @@ def _same_items(
     seen: dict[tuple[str, tuple[int, ...]], int] = {}
     merged = False
     for i in maybe.tolist():
-        t = _present(tables, int(src[i]))
+        t = tables[int(src[i])]
         a = int(start[i])
         sig = (t.keys[int(pos[i])], tuple(gid[a : a + int(count[i])].tolist()) if groups else ())
         rep[i] = first = seen.setdefault(sig, i)
@@ -469,18 +442,9 @@ def _same_items(
     return rep if merged else None
 
 
-def same_tables(h: Holdings, tables: Sequence[ChunkTable | None]) -> bool:
+def same_tables(h: Holdings, tables: Sequence[ChunkTable]) -> bool:
     """Whether ``tables`` equal (columns, digest bytes) those ``h`` was built from, slot by slot."""
-    if len(tables) != len(h.seen):
-        return False
-    for t, ref in zip(tables, h.seen, strict=True):
-        if t is None or ref is None or not isinstance(ref, ChunkTable):
-            if (t is None or not len(t)) and (ref is None or not len(ref)):
-                continue
-            return False
-        if not t.same(ref):
-            return False
-    return True
+    return len(tables) == len(h.seen) and all(map(ChunkTable.same, tables, h.seen))
 
 
 __all__ = ["Digests", "TableStore", "index_tables", "same_tables"]

@@ -1,27 +1,18 @@
 """What the save planner reads and writes: frozen, plain data (DESIGN.md section 4).
 
-Ranks report :class:`RankChunks`; the planner (:mod:`shoal.group.planner`) answers with a
-:class:`CheckpointPlan` (one host) or a :class:`GroupPlan` (drains and partner transfers).
-Chunks in a plan are :class:`ChunkRuns`: runs of consecutive chunks of one item, stored as
-columns, so that a plan for thousands of ranks stays small to build and to broadcast. A
-run that covers a whole item shares the digest container the rank reported.
-
-Reports come in two forms, planned alike (the same plan for the same chunks):
-
-* **tuples**: :attr:`RankChunks.items` a tuple of :class:`ItemChunks`, digests tuples of hex
-  strings (or :class:`~shoal.group.digests.Digests`);
-* **compact**: :attr:`RankChunks.items` a :class:`ChunkTable`, the rank's items as columns
-  with all its digests in one buffer of raw bytes. It still reads as a sequence of
-  :class:`ItemChunks`; the planner reads its columns, touching no Python object per chunk,
-  and runs of whole items refer to the table instead of holding one object per item.
+Each rank reports :class:`RankChunks`: its items as one :class:`ChunkTable` (columns, with all
+its chunk digests in one buffer of raw bytes, as the group save's exchange delivers them). The
+planner (:mod:`shoal.group.planner`) answers with a :class:`GroupPlan`: drains and partner
+transfers. Chunks in a plan are :class:`ChunkRuns`: runs of consecutive chunks of one item,
+stored as columns; runs of whole items read the rank's table instead of holding one object per
+item, so that a plan for thousands of ranks stays small to build and to broadcast.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from operator import attrgetter
 from typing import Any, overload
 
@@ -32,11 +23,11 @@ from shoal.group.digests import DIGEST_SIZE, PREFIX_SIZE, Digests, ItemDigests, 
 
 @dataclass(frozen=True)
 class ItemChunks:
-    """One staged item as its rank reports it: its chunks' BLAKE3 digests (hex) and lengths.
+    """One item of a :class:`ChunkTable`, read back: its chunks' BLAKE3 digests (hex) and lengths.
 
     The planner takes two items with the same key and digests to be the same item (their
-    ``nbytes`` is that of the first rank to report it). ``digests`` is a tuple of hex strings
-    or a :class:`~shoal.group.digests.Digests`.
+    ``nbytes`` is that of the first rank to report it). ``digests`` reads as hex strings: a
+    :class:`~shoal.group.digests.Digests` view of the table's buffer.
     """
 
     key: str
@@ -52,14 +43,14 @@ def _frozen(a: Any) -> np.ndarray:
 
 
 class ChunkTable(Sequence[ItemChunks]):
-    """One rank's items as columns: the compact form of :attr:`RankChunks.items`.
+    """One rank's items as columns: :attr:`RankChunks.items`, the planner's input.
 
     ``keys`` and ``nbytes`` per item, ``counts`` (chunks per item), ``lengths`` (every
     chunk's length, item after item) and ``digests`` (every chunk's digest, item after item,
     in one buffer). :meth:`uniform` builds the table of items cut into chunks of one size
     (the engine's chunking), whose counts and lengths follow from ``nbytes``. Reads as a
-    tuple of :class:`ItemChunks` (whose digests are views of the buffer) and equals one with
-    equal items. Immutable; pickles as its columns.
+    sequence of :class:`ItemChunks` (whose digests are views of the buffer); equals a table
+    with equal columns. Immutable; pickles as its columns.
 
     ``prefix`` is the first 8 bytes of every digest, back to back, as :meth:`Digests.prefixes`
     makes them (read as :attr:`prefix`); computed when first read if not given. A rank sends
@@ -140,28 +131,6 @@ class ChunkTable(Sequence[ItemChunks]):
         """Items of ``nbytes`` bytes cut into chunks of ``chunk_size`` (the last one shorter)."""
         return cls(keys, nbytes, None, None, digests, chunk_size, prefix)
 
-    @classmethod
-    def from_items(cls, items: Iterable[ItemChunks]) -> ChunkTable:
-        """The table of ``items`` (digests tuples of hex strings or :class:`Digests`)."""
-        items = list(items)
-        for it in items:
-            if len(it.digests) != len(it.lengths):
-                raise ValueError(
-                    f"item {it.key!r}: {len(it.digests)} chunk digests but {len(it.lengths)} chunk lengths"
-                )
-        ds = [it.digests for it in items]
-        if all(isinstance(d, Digests) for d in ds):
-            digests = Digests.join(ds)
-        else:
-            digests = Digests.from_hex(list(chain.from_iterable(ds)))
-        return cls(
-            [it.key for it in items],
-            [it.nbytes for it in items],
-            [len(it.lengths) for it in items],
-            np.fromiter(chain.from_iterable(it.lengths for it in items), np.int64),
-            digests,
-        )
-
     @property
     def lengths(self) -> np.ndarray:
         """Every chunk's length, item after item."""
@@ -232,18 +201,10 @@ class ChunkTable(Sequence[ItemChunks]):
         return np.array_equal(self.lengths, other.lengths)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, ChunkTable):
-            return self.same(other)
-        if isinstance(other, (tuple, list)):
-            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
-        return NotImplemented
-
-    def __ne__(self, other: object) -> bool:
-        eq = self.__eq__(other)
-        return eq if eq is NotImplemented else not eq
+        return self.same(other) if isinstance(other, ChunkTable) else NotImplemented
 
     def __hash__(self) -> int:
-        return hash(tuple(self))
+        return hash((self.keys, self.digests.raw))
 
     def __repr__(self) -> str:
         return f"ChunkTable({len(self.keys)} items, {len(self.digests)} chunks)"
@@ -271,15 +232,11 @@ def _checked_prefix(digests: Digests, prefix: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class RankChunks:
-    """Everything one rank staged for a checkpoint, in its own item order.
-
-    ``items``: a tuple of :class:`ItemChunks`, or the same items as one :class:`ChunkTable`
-    (the compact form; what the planner reads fastest).
-    """
+    """Everything one rank staged for a checkpoint, in its own item order, as one table."""
 
     rank: int
     host: str
-    items: tuple[ItemChunks, ...] | ChunkTable
+    items: ChunkTable
 
 
 @dataclass(frozen=True)
@@ -361,42 +318,6 @@ class Transfer:
         return self.runs.nbytes
 
 
-def _bytes_per_host(drains: Sequence[DrainAssignment]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for d in drains:
-        out[d.host] = out.get(d.host, 0) + d.nbytes
-    return out
-
-
-def _drain_for(drains: Sequence[DrainAssignment], rank: int) -> DrainAssignment | None:
-    i = bisect_left(drains, rank, key=attrgetter("rank"))
-    return drains[i] if i < len(drains) and drains[i].rank == rank else None
-
-
-@dataclass(frozen=True)
-class CheckpointPlan:
-    """A plan without replication (:func:`plan_save`): who drains which new chunk."""
-
-    step: int
-    drains: tuple[DrainAssignment, ...]
-    """One per rank that drains anything, by rank."""
-    logical_bytes: int
-    unique_bytes: int
-    reused_bytes: int
-    """Unique bytes already durable: not written again."""
-
-    @property
-    def new_bytes(self) -> int:
-        return sum(d.nbytes for d in self.drains)
-
-    def drain_for(self, rank: int) -> DrainAssignment | None:
-        return _drain_for(self.drains, rank)
-
-    def bytes_per_host(self) -> dict[str, int]:
-        """Drain bytes per host (hosts that drain nothing are left out)."""
-        return _bytes_per_host(self.drains)
-
-
 @dataclass(frozen=True)
 class GroupPlan:
     """The plan of one group save: drains to shared storage and transfers to partner hosts."""
@@ -420,7 +341,8 @@ class GroupPlan:
         return sum(t.nbytes for t in self.transfers)
 
     def drain_for(self, rank: int) -> DrainAssignment | None:
-        return _drain_for(self.drains, rank)
+        i = bisect_left(self.drains, rank, key=attrgetter("rank"))
+        return self.drains[i] if i < len(self.drains) and self.drains[i].rank == rank else None
 
     def sends_from(self, rank: int) -> tuple[Transfer, ...]:
         get = attrgetter("src_rank")
@@ -433,11 +355,13 @@ class GroupPlan:
 
     def bytes_per_host(self) -> dict[str, int]:
         """Drain bytes per host (hosts that drain nothing are left out)."""
-        return _bytes_per_host(self.drains)
+        out: dict[str, int] = {}
+        for d in self.drains:
+            out[d.host] = out.get(d.host, 0) + d.nbytes
+        return out
 
 
 __all__ = [
-    "CheckpointPlan",
     "ChunkRef",
     "ChunkRuns",
     "ChunkTable",

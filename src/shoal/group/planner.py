@@ -1,49 +1,67 @@
 """The save planner: pure functions over plain data, frozen plans out (DESIGN.md section 4).
 
-Input: every rank's chunk list (item key, chunk digests and lengths), the chunks already
-durable on the shared tier, and for a group save the :class:`~shoal.group.topology.Topology`
-and the chunks each host's tier already holds. Output:
+Input: every rank's report, a :class:`~shoal.group.plan.RankChunks` whose items are one
+:class:`~shoal.group.plan.ChunkTable` (keys and sizes per item, every chunk digest as 32 raw
+bytes in one buffer, and the 8-byte digest prefixes the rank made: what the group save's
+exchange delivers); the digests already durable on the shared tier; the
+:class:`~shoal.group.topology.Topology`; and the digests each host's tier already holds.
+Output, a :class:`~shoal.group.plan.GroupPlan`:
 
 * **dedup**: each unique chunk once, across ranks and against ``durable`` (incremental saves);
 * **drain**: one owner per unique new chunk, among the ranks that staged it, balancing the
-  bytes each *host* drains (one storage NIC per host), then each rank of the host: a greedy
-  that places the most constrained chunks first (fewest hosts hold them: a rank's own shard
-  before a replicated weight), then the longest first, each on the least-loaded host holding
-  it. That keeps every host within one chunk of the lower bound
-  ``max(forced bytes of any host, new bytes / hosts, biggest chunk)`` for the usual mix of
-  sharded and replicated state;
-* **replication** (group saves): a new chunk already staged on two hosts of different failure
-  domains, or staged on one and held by a host of another domain, needs nothing; every other
-  new chunk is sent by its drain owner to :meth:`Topology.partner_rank` of the owner.
+  bytes each *host* drains (one storage NIC per host), then each rank of the host;
+* **replication**: a new chunk already staged on two hosts of different failure domains, or
+  staged on one and held by a host of another domain, needs nothing; every other new chunk is
+  sent by its drain owner to :meth:`~shoal.group.topology.Topology.partner_rank` of the owner.
 
-Scale. The coordinator plans every checkpoint, for up to 16,384 ranks of 1,000 chunks each:
-16 million digests, more than pure Python can touch one by one in a second. So:
+Digests are never shortened or trusted by hash: equal means all 32 bytes equal.
 
-0. reports come as tuples of hex strings or in the *compact* form
-   (:class:`~shoal.group.plan.ChunkTable`: a rank's items as columns, its digests as raw
-   bytes in one buffer, what the group save's exchange delivers). Compact reports are
-   indexed by :mod:`~shoal.group._tables`, which compares whole ranks with ``memcmp``, keys
-   digests by their first 64 bits (a prefix column each rank makes) and sorts those
-   (``np.sort``), confirming any repeat on all 32 bytes, and touches no Python object per
-   chunk; the rest of this list describes the tuple form, whose result is the same
-   :class:`~shoal.group._holdings.Holdings`. Either form gives the same plan;
-1. :mod:`~shoal.group._holdings` reduces the reports to *distinct items*: each rank is
-   compared with the last similar rank (a *template*) in one pass, item by item (same key,
-   same digest tuple, compared exactly); only the items that differ are looked up by their
-   full ``(key, digests)``. Data-parallel replicas cost one comparison pass each, a rank's own
-   shard one dictionary lookup. Chunks shared between distinct items (a tied weight, zeros)
-   are found by sorting the digests' Python hashes with numpy, and confirmed on full strings;
-2. :mod:`~shoal.group._assign` works on distinct items: an item held by one rank, all new,
-   is drained and sent whole by that rank; only chunks several ranks hold go through the
-   greedy. Per-chunk arithmetic is numpy;
-3. plans hold chunks as :class:`~shoal.group.plan.ChunkRuns` (a whole item is one run that
-   shares the reported digest container; a rank that drains only whole items of its own
-   compact report gets runs that read its table, no object per item), and a transfer that
-   sends everything its sender drains shares the drain's runs, so plans stay small to build
-   and to broadcast.
+How it works (described here once; each private module names its stage). The coordinator
+plans every checkpoint of jobs of thousands of ranks of a thousand chunks each, so no stage
+makes a Python object per chunk, and per item only where items differ from their template.
+Measurements, stage by stage, are in ``docs/benchmarks.md`` ("The group-save planner alone").
 
-Digests are never shortened or trusted by hash: equal means equal strings, or all 32 bytes.
-:class:`PlanCache` reuses the dedup and the plan while nothing they depend on changes.
+1. **Who holds what** (:mod:`shoal.group._tables`, giving a
+   :class:`~shoal.group._holdings.Holdings`). A *slot* is a rank's position in rank order.
+
+   a. *Ranks.* Each rank's table is compared with the last similar rank's (a *template*):
+      equal digest buffers, keys and chunk counts (one ``memcmp`` and a tuple comparison)
+      make a data-parallel replica; a rank that differs where the previous one did (a ZeRO
+      shard in the same items) is confirmed by comparing byte ranges; otherwise, after a few
+      sampled digests agree, numpy compares the two buffers digest by digest and the items
+      that differ are *extras* of the rank. Ranks that match one template at the same
+      positions form a *class*. A rank that matches less than half of its template tries the
+      template whose first key and digest it shares (tensor-parallel shards alternate
+      templates), and otherwise becomes a template itself.
+   b. *Chunks.* The digests of every template item and every extra are keyed by their first
+      64 bits (BLAKE3 output is uniform), read from the tables' prefix columns, and sorted in
+      place (``np.sort``). Keys seen once are digests seen once; only the positions of
+      repeated keys are found again (a bitmap, then ``np.isin`` on the few hits) and grouped
+      by their full 32 bytes. A shared key alone merges nothing.
+   c. *Items.* Candidate items with the same key and the same digests are one distinct item
+      (its ``nbytes`` is the first reporter's): only items all of whose digests repeat (or
+      that have none) can be, and only those are compared. The repeats left among distinct
+      items are chunk *duplicates* (a tied weight, zeros).
+
+2. **Owners and replicas** (:mod:`shoal.group._assign`). *Solo* items (held by one slot, no
+   chunk durable or found in another item: a rank's own shard) are drained and sent whole by
+   their holder, with numpy sums and no loop. Every other chunk is handled one by one (first
+   occurrences, in flat order), and only chunks several slots hold go through the greedy:
+   the most constrained first (fewest hosts hold them: a rank's own shard before a replicated
+   weight), then the longest first, each on the least-loaded host holding it (one lazily
+   refreshed heap per holder set), then the least-loaded rank of that host. That keeps every
+   host within one chunk of the lower bound ``max(forced bytes of any host, new bytes /
+   hosts, biggest chunk)`` for the usual mix of sharded and replicated state. A chunk needs a
+   replica when every host holding it is in one failure domain and no host of another domain
+   holds it already (``held``).
+
+3. **Runs.** Plans hold chunks as :class:`~shoal.group.plan.ChunkRuns`. A rank that drains
+   only whole items of its own table gets runs that read the table (no object per item), and
+   a transfer that sends everything its sender drains shares the drain's runs, so plans stay
+   small to build and to broadcast.
+
+:class:`PlanCache` reuses stage 1 while the tables stay the same, and the whole plan while
+nothing else it depends on changes.
 """
 
 from __future__ import annotations
@@ -59,11 +77,10 @@ import numpy as np
 from shoal.errors import ConfigError
 from shoal.group import _assign as assign
 from shoal.group._assign import Hosts
-from shoal.group._holdings import Holdings, index_reports, same_reports
-from shoal.group._tables import TableStore, index_tables, same_tables
+from shoal.group._holdings import Holdings
+from shoal.group._tables import index_tables, same_tables
 from shoal.group.digests import Digests
 from shoal.group.plan import (
-    CheckpointPlan,
     ChunkRef,
     ChunkRuns,
     ChunkTable,
@@ -82,7 +99,7 @@ def _collector_paused() -> Iterator[None]:
 
     A plan for thousands of ranks allocates millions of small containers and makes no
     reference cycles; left on, the collector would traverse every report object several
-    times (a quarter of the time of a 16,384-rank plan). Process-wide, for the call only.
+    times. Process-wide, for the call only.
     """
     was = gc.isenabled()
     gc.disable()
@@ -94,63 +111,18 @@ def _collector_paused() -> Iterator[None]:
 
 
 def _ordered(ranks: Sequence[RankChunks]) -> list[RankChunks]:
+    """The reports by rank; each rank once, each a table."""
     ordered = sorted(ranks, key=attrgetter("rank"))
     for a, b in zip(ordered, ordered[1:], strict=False):
         if a.rank == b.rank:
             raise ConfigError(f"rank {a.rank} reported its chunks twice")
+    bad = next((rc for rc in ordered if not isinstance(rc.items, ChunkTable)), None)
+    if bad is not None:
+        raise TypeError(
+            f"rank {bad.rank} reports its items as {type(bad.items).__name__}; the planner reads one "
+            "ChunkTable per rank (ChunkTable.uniform builds one from keys, sizes and digests)"
+        )
     return ordered
-
-
-def _compact(reports: Sequence[Sequence[ItemChunks]]) -> bool:
-    return any(isinstance(r, ChunkTable) or (len(r) and isinstance(r[0].digests, Digests)) for r in reports)
-
-
-def _tables(reports: Sequence[Sequence[ItemChunks]]) -> list[ChunkTable | None] | None:
-    """The reports as tables when any is compact (a table, or :class:`Digests` digests), else None.
-
-    Tuple-form reports among compact ones are converted (their hex digests parsed once).
-    """
-    if not _compact(reports):
-        return None
-    return [r if isinstance(r, ChunkTable) else ChunkTable.from_items(r) if len(r) else None for r in reports]
-
-
-def _index(reports: Sequence[Sequence[ItemChunks]]) -> Holdings:
-    """The planner's first stage, for either form of report."""
-    tables = _tables(reports)
-    return index_reports(reports) if tables is None else index_tables(tables)
-
-
-def _same(h: Holdings, reports: Sequence[Sequence[ItemChunks]]) -> bool:
-    """Whether ``reports`` are those ``h`` was built from (exactly: keys, sizes, digests)."""
-    if isinstance(h.store, TableStore):
-        tables = _tables(reports)
-        return tables is not None and same_tables(h, tables)
-    return not _compact(reports) and same_reports(h, reports)
-
-
-def plan_save(step: int, ranks: Sequence[RankChunks], durable: Container[str]) -> CheckpointPlan:
-    """Deduplicate across ranks and against ``durable``; give each new chunk one owner, balanced by host.
-
-    Hosts are those the ranks report, in order of their lowest rank; nothing is replicated.
-    """
-    with _collector_paused():
-        return _plan_save(step, ranks, durable)
-
-
-def _plan_save(step: int, ranks: Sequence[RankChunks], durable: Container[str]) -> CheckpointPlan:
-    ordered = _ordered(ranks)
-    names = list(dict.fromkeys(rc.host for rc in ordered))
-    index = {name: i for i, name in enumerate(names)}
-    hosts = Hosts(
-        [rc.rank for rc in ordered],
-        np.array([index[rc.host] for rc in ordered], dtype=np.int64),
-        names,
-        np.arange(len(names), dtype=np.int64),
-    )
-    h = _index([rc.items for rc in ordered])
-    w, drains, _ = assign.plan_parts(h, hosts, durable, None, None)
-    return CheckpointPlan(step, tuple(drains), h.logical_bytes, assign.unique_bytes(h, w), w.reused_bytes)
 
 
 def _group_hosts(ordered: Sequence[RankChunks], topology: Topology) -> Hosts:
@@ -197,19 +169,20 @@ def plan_group_save(
     """Plan one group save: dedup, one drain owner per new chunk balanced by host, replicas.
 
     ``ranks``: every rank's report (any order; each rank at most once; ``host`` as in
-    ``topology``). ``durable``: digests already on the shared tier: neither drained nor
-    replicated. ``held``: host -> digests its host tier holds from retained checkpoints;
-    a new chunk that a host of another failure domain holds needs no transfer. Sets (any
-    sized iterable) are intersected in time proportional to the smaller side; a bare
-    ``Container`` costs one membership test per chunk that may need a replica. With
-    ``replicate`` the topology must have partners. Pure: no I/O, no collectives; raises
-    :class:`~shoal.errors.ConfigError` when the reports disagree with the topology.
+    ``topology``; ``items`` a :class:`ChunkTable`). ``durable``: digests already on the
+    shared tier: neither drained nor replicated. ``held``: host -> digests its host tier
+    holds from retained checkpoints; a new chunk that a host of another failure domain holds
+    needs no transfer. Sets (any sized iterable) are intersected in time proportional to the
+    smaller side; a bare ``Container`` costs one membership test per chunk that may need a
+    replica. With ``replicate`` the topology must have partners. Pure: no I/O, no
+    collectives; raises :class:`~shoal.errors.ConfigError` when the reports disagree with the
+    topology.
     """
     with _collector_paused():
         ordered = _ordered(ranks)
         hosts = _group_hosts(ordered, topology)
         partner = _partners(hosts, topology, replicate)
-        h = _index([rc.items for rc in ordered])
+        h = index_tables([rc.items for rc in ordered])
         w, drains, transfers = assign.plan_parts(h, hosts, durable, held, partner)
         return GroupPlan(
             step, tuple(drains), tuple(transfers), h.logical_bytes, assign.unique_bytes(h, w), w.reused_bytes
@@ -241,8 +214,8 @@ class PlanCache:
     layout and plan, and on each call compares, exactly (full strings or bytes, no hashes):
 
     * the layout signature: ``(rank, host, key, nbytes)`` of every item of every rank;
-    * every chunk digest of every item (equal digests mean equal chunks, so equal lengths);
-      compact reports are compared table by table (columns and digest buffers);
+    * every chunk digest of every item (equal digests mean equal chunks, so equal lengths),
+      table by table (columns and digest buffers);
     * the topology and ``replicate``;
     * whether each chunk is in ``durable``, and, for each new chunk that may need a
       replica, whether a host of another failure domain holds it (``held``).
@@ -292,11 +265,11 @@ class PlanCache:
         hosts = _group_hosts(ordered, topology)
         partner = _partners(hosts, topology, replicate)
         who = [(rc.rank, rc.host) for rc in ordered]
-        reports = [rc.items for rc in ordered]
+        tables = [rc.items for rc in ordered]
         h = self._holdings
-        same_layout = h is not None and who == self._ranks and _same(h, reports)
+        same_layout = h is not None and who == self._ranks and same_tables(h, tables)
         if h is None or not same_layout:
-            h = self._holdings = _index(reports)
+            h = self._holdings = index_tables(tables)
             self._ranks, self._last = who, None
         w = assign.split(h, durable)
         info = assign.SetInfos(h.sets, hosts)
@@ -334,7 +307,6 @@ class PlanCache:
 
 
 __all__ = [  # the plan's data types live in shoal.group.plan; importing them from here still works
-    "CheckpointPlan",
     "ChunkRef",
     "ChunkRuns",
     "ChunkTable",
@@ -346,5 +318,4 @@ __all__ = [  # the plan's data types live in shoal.group.plan; importing them fr
     "RankChunks",
     "Transfer",
     "plan_group_save",
-    "plan_save",
 ]

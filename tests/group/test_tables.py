@@ -1,4 +1,5 @@
-"""Compact reports (:class:`ChunkTable`, :class:`Digests`): the same plans as tuples of hex strings."""
+"""The planner's input, one :class:`ChunkTable` per rank, and :class:`Digests`: tables read as their
+items, tables as the exchange delivers them plan alike, digest prefixes and colliding keys."""
 
 from __future__ import annotations
 
@@ -13,27 +14,19 @@ from hypothesis import strategies as st
 from shoal.group._tables import index_tables
 from shoal.group.digests import Digests
 from shoal.group.planner import (
+    ChunkRuns,
     ChunkTable,
     GroupPlan,
     ItemChunks,
     PlanCache,
     RankChunks,
     plan_group_save,
-    plan_save,
 )
 from shoal.group.topology import build_topology
 
-from .planner_helpers import _d, _item
+from .planner_helpers import _d, _item, pickled, plan_drains, rank, table
 from .test_group_plan import GroupScenario, _check_group, group_scenarios
 from .test_planner import Scenario, _check_accounting, _check_ownership, scenarios
-
-
-def compact(ranks: tuple[RankChunks, ...] | list[RankChunks]) -> list[RankChunks]:
-    """The same reports in the compact form, each table through a pickle (as the exchange delivers)."""
-    return [
-        RankChunks(rc.rank, rc.host, pickle.loads(pickle.dumps(ChunkTable.from_items(rc.items))))
-        for rc in ranks
-    ]
 
 
 def chunks_of(plan: GroupPlan) -> tuple[object, ...]:
@@ -81,12 +74,15 @@ def test_views_of_one_buffer_pickle_it_once() -> None:
 def test_a_table_reads_as_its_items() -> None:
     lengths = {_d(i): 10 + i for i in range(8)}
     items = (_item("a", [0, 1, 2], lengths), ItemChunks("empty", 0, (), ()), _item("b", [3, 3], lengths))
-    t = ChunkTable.from_items(items)
-    assert len(t) == 3 and t == items and items == t and list(t) == list(items) and t[-1] == items[-1]
+    t = table(items)
+    assert len(t) == 3 and tuple(t) == items and list(t) == list(items) and t[-1] == items[-1]
     assert t[0:2] == items[0:2] and pickle.loads(pickle.dumps(t)).same(t)
+    assert t == table(items) and t == pickle.loads(pickle.dumps(t)) and t != table(items[:2])
+    assert t != items, "a table equals tables, not tuples of its items"
     u = ChunkTable.uniform(["w", "x"], [10, 4], 4, Digests.from_hex([_d(0), _d(1), _d(2), _d(3)]))
     assert [i.lengths for i in u] == [(4, 4, 2), (4,)] and list(u.lengths) == [4, 4, 2, 4]
-    assert ChunkTable.from_items(u).same(u) and pickle.loads(pickle.dumps(u)).same(u)
+    assert table(u).same(u) and pickle.loads(pickle.dumps(u)).same(u)
+    assert table(u) == u and hash(table(u)) == hash(u), "lengths given or implied by the chunk size"
     with pytest.raises(ValueError, match="digests"):
         ChunkTable.uniform(["w"], [10], 4, Digests.from_hex([_d(0)]))
 
@@ -94,41 +90,53 @@ def test_a_table_reads_as_its_items() -> None:
 # -- the same plans ------------------------------------------------------------------------------
 
 
+def _as_uniform(t: ChunkTable) -> ChunkTable | None:
+    """``t`` as :meth:`ChunkTable.uniform` builds it, if one chunk size fits every item, else None."""
+    size = max((int(n) for n in t.lengths), default=1)
+    for it in t:
+        if any(n != size for n in it.lengths[:-1]):
+            return None
+    return ChunkTable.uniform(t.keys, t.nbytes, size, t.digests)
+
+
 @settings(max_examples=150, deadline=None)
 @given(group_scenarios())
-def test_compact_reports_plan_exactly_like_tuples(sc: GroupScenario) -> None:
+def test_tables_through_a_pickle_plan_like_the_originals(sc: GroupScenario) -> None:
+    """Tables as the exchange delivers them (new objects, prefixes computed again) plan alike."""
     expected = plan_group_save(5, sc.ranks, sc.durable, sc.topology, held=sc.held)
-    got = plan_group_save(5, compact(sc.ranks), sc.durable, sc.topology, held=sc.held)
+    got = plan_group_save(5, pickled(sc.ranks), sc.durable, sc.topology, held=sc.held)
     assert chunks_of(got) == chunks_of(expected)
-    assert got == expected, "equal field by field too (digest containers equal the tuples)"
+    assert got == expected, "equal field by field too (lazy run columns equal their values)"
     _check_group(sc, got)
     assert pickle.loads(pickle.dumps(got)) == got
 
 
 @settings(max_examples=100, deadline=None)
 @given(scenarios())
-def test_compact_single_host_plans_like_tuples(sc: Scenario) -> None:
-    got = plan_save(3, compact(sc.ranks), sc.durable)
-    assert got == plan_save(3, sc.ranks, sc.durable)
+def test_pickled_tables_plan_alike_without_replication(sc: Scenario) -> None:
+    got = plan_drains(3, pickled(sc.ranks), sc.durable)
+    assert got == plan_drains(3, sc.ranks, sc.durable)
     _check_ownership(sc, got)
     _check_accounting(sc, got)
 
 
 @settings(max_examples=60, deadline=None)
 @given(group_scenarios(), st.randoms(use_true_random=False))
-def test_mixed_forms_plan_like_tuples(sc: GroupScenario, rnd: random.Random) -> None:
-    """Some ranks compact, some tuples, some items with Digests in tuple-form reports."""
+def test_tables_of_every_construction_plan_alike(sc: GroupScenario, rnd: random.Random) -> None:
+    """Per rank, its table as built (lengths given), pickled, with the prefixes the rank made, or
+    by chunk size (:meth:`ChunkTable.uniform`, where one size fits): the same plan."""
     mixed = []
-    for rc, c in zip(sc.ranks, compact(sc.ranks), strict=True):
-        form = rnd.choice(["tuple", "table", "digests"])
-        if form == "table":
-            mixed.append(c)
-        elif form == "digests":
-            mixed.append(
-                replace(rc, items=tuple(replace(i, digests=Digests.from_hex(i.digests)) for i in rc.items))
-            )
-        else:
-            mixed.append(rc)
+    for rc in sc.ranks:
+        t = rc.items
+        form = rnd.choice(["built", "pickled", "prefixes", "uniform"])
+        if form == "pickled":
+            t = pickle.loads(pickle.dumps(t))
+        elif form == "prefixes":
+            t = ChunkTable(t.keys, t.nbytes, t.counts, t.lengths, t.digests, prefix=t.digests.prefixes())
+        elif form == "uniform":
+            t = _as_uniform(t) or t
+        assert t == rc.items
+        mixed.append(RankChunks(rc.rank, rc.host, t))
     expected = plan_group_save(2, sc.ranks, sc.durable, sc.topology, held=sc.held)
     assert chunks_of(plan_group_save(2, mixed, sc.durable, sc.topology, held=sc.held)) == chunks_of(expected)
 
@@ -143,11 +151,11 @@ def test_digests_sharing_their_first_bytes_are_not_merged() -> None:
     a, b, c = _colliding(3)
     assert a[:16] == b[:16] == c[:16] and len({a, b, c}) == 3
     ranks = [
-        RankChunks(0, "h0", (ItemChunks("x", 30, (a, b), (10, 20)),)),
-        RankChunks(1, "h1", (ItemChunks("x", 30, (a, c), (10, 20)), ItemChunks("y", 10, (b,), (10,)))),
+        rank(0, "h0", ItemChunks("x", 30, (a, b), (10, 20))),
+        rank(1, "h1", ItemChunks("x", 30, (a, c), (10, 20)), ItemChunks("y", 10, (b,), (10,))),
     ]
     topo = build_topology(["h0", "h1"])
-    for form in (ranks, compact(ranks)):
+    for form in (ranks, pickled(ranks)):
         plan = plan_group_save(0, form, set(), topo)
         drained = sorted(c.digest for d in plan.drains for c in d.chunks)
         assert drained == sorted([a, b, c]), "each distinct digest once; a shared key merges nothing"
@@ -183,66 +191,83 @@ def test_many_colliding_keys_in_a_big_report() -> None:
 def test_a_chunk_shared_between_items_and_ranks_is_drained_once() -> None:
     lengths = {_d(i): 10 for i in range(6)}
     ranks = [
-        RankChunks(0, "h0", (_item("a", [0, 1], lengths), _item("zeros", [5, 5, 5], lengths))),
-        RankChunks(1, "h1", (_item("b", [2, 1], lengths), _item("zeros", [5, 5, 5], lengths))),
-        RankChunks(2, "h2", (_item("c", [3, 4, 5], lengths),)),
+        rank(0, "h0", chunks={"a": [0, 1], "zeros": [5, 5, 5]}, lengths=lengths),
+        rank(1, "h1", chunks={"b": [2, 1], "zeros": [5, 5, 5]}, lengths=lengths),
+        rank(2, "h2", chunks={"c": [3, 4, 5]}, lengths=lengths),
     ]
     topo = build_topology(["h0", "h1", "h2"])
-    plans = [plan_group_save(0, form, set(), topo) for form in (ranks, compact(ranks))]
+    plans = [plan_group_save(0, form, set(), topo) for form in (ranks, pickled(ranks))]
     assert chunks_of(plans[0]) == chunks_of(plans[1])
     drained = sorted(c.digest for d in plans[1].drains for c in d.chunks)
     assert drained == sorted(_d(i) for i in range(6))
     assert plans[1].unique_bytes == 60 and plans[1].logical_bytes == 130
     _check_group(GroupScenario(tuple(ranks), topo, frozenset(), {}, lengths), plans[1])
-    h = index_tables([rc.items for rc in compact(ranks)])  # type: ignore[misc]
+    h = index_tables([rc.items for rc in pickled(ranks)])
     assert h.dups is not None and len(h.items) == 4, "rank 1's zeros are rank 0's: a, zeros, b, c"
 
 
-def test_compact_sharded_plan_holds_lazy_runs() -> None:
+def _materialized(plan: GroupPlan) -> GroupPlan:
+    """``plan`` with every run column a plain tuple (digests tuples of hex strings), runs that
+    were one object still one object: what a plan holding an object per item looks like."""
+    done: dict[int, ChunkRuns] = {}
+
+    def plain(runs: ChunkRuns) -> ChunkRuns:
+        if id(runs) not in done:
+            done[id(runs)] = ChunkRuns(
+                tuple(runs.keys),
+                tuple(runs.starts),
+                tuple(tuple(d) for d in runs.digests),
+                tuple(tuple(n) for n in runs.lengths),
+            )
+        return done[id(runs)]
+
+    return replace(
+        plan,
+        drains=tuple(replace(d, runs=plain(d.runs)) for d in plan.drains),
+        transfers=tuple(replace(t, runs=plain(t.runs)) for t in plan.transfers),
+    )
+
+
+def test_sharded_plan_holds_lazy_runs() -> None:
     """Every rank drains and sends its whole table: runs read the table, and pickle small."""
     lengths = {_d(i): 100 for i in range(400)}
-    ranks = [
-        RankChunks(
-            r,
-            f"h{r // 2}",
-            tuple(_item(f"s.{j}", [50 * r + 5 * j + k for k in range(5)], lengths) for j in range(10)),
-        )
-        for r in range(8)
-    ]
+    ranks = pickled(
+        [
+            rank(
+                r,
+                f"h{r // 2}",
+                *(_item(f"s.{j}", [50 * r + 5 * j + k for k in range(5)], lengths) for j in range(10)),
+            )
+            for r in range(8)
+        ]
+    )
     topo = build_topology([rc.host for rc in ranks])
-    tuples = plan_group_save(0, ranks, set(), topo)
-    plan = plan_group_save(0, compact(ranks), set(), topo)
-    assert plan == tuples and chunks_of(plan) == chunks_of(tuples)
+    plan = plan_group_save(0, ranks, set(), topo)
+    plain = _materialized(plan)
+    assert plan == plain and chunks_of(plan) == chunks_of(plain)
     for d in plan.drains:
         assert len(d.runs) == 50 and d.nbytes == 5000 and plan.sends_from(d.rank)[0].runs is d.runs
         assert list(d.runs.keys) == sorted(d.runs.keys)
-    assert len(pickle.dumps(plan)) < 0.75 * len(pickle.dumps(tuples))
+    assert len(pickle.dumps(plan)) < 0.75 * len(pickle.dumps(plain))
 
 
-def test_plan_cache_on_compact_reports() -> None:
+def test_plan_cache_on_tables_through_a_pickle() -> None:
     lengths = {_d(i): 100 + i for i in range(40)}
     ranks = [
-        RankChunks(
-            r,
-            f"h{r // 2}",
-            (_item("w", list(range(10)), lengths), _item("o", [20 + 2 * r, 21 + 2 * r], lengths)),
-        )
+        rank(r, f"h{r // 2}", chunks={"w": list(range(10)), "o": [20 + 2 * r, 21 + 2 * r]}, lengths=lengths)
         for r in range(4)
     ]
     topo = build_topology([rc.host for rc in ranks])
     cache = PlanCache()
-    first = cache.lookup_or_plan(1, compact(ranks), set(), topo)
+    first = cache.lookup_or_plan(1, pickled(ranks), set(), topo)
     assert first == plan_group_save(1, ranks, set(), topo)
-    assert cache.lookup_or_plan(2, compact(ranks), set(), topo) == replace(first, step=2)
+    assert cache.lookup_or_plan(2, pickled(ranks), set(), topo) == replace(first, step=2)
     assert (cache.hits, cache.misses) == (1, 1)
-    changed = compact(ranks)
-    changed[3] = compact([RankChunks(3, "h1", (ranks[3].items[0], _item("o", [22, 23], lengths)))])[0]
-    got = cache.lookup_or_plan(3, changed, set(), topo)
-    assert cache.misses == 2 and got == plan_group_save(
-        3, [*ranks[:3], RankChunks(3, "h1", (ranks[3].items[0], _item("o", [22, 23], lengths)))], set(), topo
-    )
+    changed = [*ranks[:3], rank(3, "h1", ranks[3].items[0], _item("o", [22, 23], lengths))]
+    got = cache.lookup_or_plan(3, pickled(changed), set(), topo)
+    assert cache.misses == 2 and got == plan_group_save(3, changed, set(), topo)
     assert cache.lookup_or_plan(4, ranks, set(), topo) == replace(plan_group_save(4, ranks, set(), topo))
-    assert cache.misses == 3, "tuple reports after compact ones: planned again"
+    assert cache.misses == 3, "the first reports again, after other ones: planned again"
 
 
 # -- Digest prefixes (the planner's sort keys) ----------------------------------------------------
@@ -269,16 +294,12 @@ def test_prefixes_that_lie_merge_nothing() -> None:
     hexes = [_d(i) for i in range(12)]
     lengths = dict.fromkeys(hexes, 10)
     ranks = [
-        RankChunks(
-            r,
-            f"h{r}",
-            (_item(f"x{r}", [4 * r, 4 * r + 1], lengths), _item("z", [4 * r + 2, 4 * r + 3], lengths)),
-        )
+        rank(r, f"h{r}", chunks={f"x{r}": [4 * r, 4 * r + 1], "z": [4 * r + 2, 4 * r + 3]}, lengths=lengths)
         for r in range(3)
     ]
     forged = []
     for rc in ranks:
-        t = ChunkTable.from_items(rc.items)
+        t = rc.items
         real = t.digests.prefixes()
         lie = real[:8] + real[:8] * 2 + real[-8:]  # the middle two claim the first one's key
         forged.append(RankChunks(rc.rank, rc.host, ChunkTable.uniform(t.keys, t.nbytes, 10, t.digests, lie)))
@@ -288,7 +309,7 @@ def test_prefixes_that_lie_merge_nothing() -> None:
     assert sorted(c.digest for d in plan.drains for c in d.chunks) == sorted(hexes)
 
 
-def test_tables_of_several_chunk_sizes_plan_like_tuples() -> None:
+def test_tables_of_several_chunk_sizes_plan_like_tables_of_their_lengths() -> None:
     """Chunk counts follow each table's own chunk size (none shared by all)."""
     hexes = [_d(i) for i in range(40)]
     ranks, total = [], 0
@@ -298,8 +319,9 @@ def test_tables_of_several_chunk_sizes_plan_like_tuples() -> None:
         nbytes = size * (n - 1) + 1
         total += nbytes
         ranks.append(RankChunks(r, f"h{r}", ChunkTable.uniform([f"w{r}"], [nbytes], size, d)))
-    tuples = [RankChunks(rc.rank, rc.host, tuple(rc.items)) for rc in ranks]
+    explicit = [rank(rc.rank, rc.host, *rc.items) for rc in ranks]  # every chunk's length given
+    assert all(rc.items.chunk_size is None for rc in explicit)
     topo = build_topology([rc.host for rc in ranks])
     plan = plan_group_save(0, ranks, set(), topo)
-    assert chunks_of(plan) == chunks_of(plan_group_save(0, tuples, set(), topo))
+    assert chunks_of(plan) == chunks_of(plan_group_save(0, explicit, set(), topo))
     assert plan.unique_bytes == total
