@@ -1,4 +1,4 @@
-"""Topology: hosts in rank order, failure domains, partner schemes, partner ranks, host ids."""
+"""Topology: hosts in rank order, failure domains, partner schemes, partner ranks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shoal.errors import ConfigError
-from shoal.group.topology import Topology, build_topology, host_for_rank
+from shoal.group.topology import Topology, build_topology
 
 
 def _hosts(n: int, per_host: int = 1) -> list[str]:
@@ -51,7 +51,7 @@ def test_ring_skips_hosts_of_the_same_failure_domain() -> None:
     domains = {"h0": "rack-a", "h1": "rack-a", "h2": "rack-b", "h3": "rack-b"}
     topo = build_topology(_hosts(4), domains=domains)
     assert dict(topo.partners) == {"h0": "h2", "h1": "h2", "h2": "h0", "h3": "h0"}
-    assert topo.domain_of("h3") == "rack-b"
+    assert topo.domains["h3"] == "rack-b"
 
 
 @st.composite
@@ -151,25 +151,3 @@ def test_topology_is_immutable_and_pickles() -> None:
     assert again == topo and again.partner_rank(2) == topo.partner_rank(2) == 3
     with pytest.raises(TypeError):
         topo.partners["a"] = "a"  # type: ignore[index]
-
-
-def test_host_for_rank_precedence() -> None:
-    env = {"SHOAL_HOST_ID": "sim-1", "GROUP_RANK": "3"}
-
-    def resolve(**kw: object) -> str:
-        args: dict[str, object] = {"host_id": None, "ranks_per_node": None, "env": {}, "hostname": "box"}
-        args.update(kw)
-        return host_for_rank(9, **args)  # type: ignore[arg-type]
-
-    assert resolve(host_id="given", ranks_per_node=4, env=env) == "given"
-    assert resolve(ranks_per_node=4, env=env) == "sim-1"
-    assert resolve(ranks_per_node=4, env={"GROUP_RANK": "3"}) == "node2"
-    assert resolve(env={"GROUP_RANK": "3"}) == "node3"
-    assert resolve(env={"SHOAL_HOST_ID": ""}) == "box"
-    assert resolve() == "box"
-    with pytest.raises(ConfigError, match="ranks_per_node must be positive"):
-        resolve(ranks_per_node=0)
-    with pytest.raises(ConfigError, match="GROUP_RANK"):
-        resolve(env={"GROUP_RANK": "x"})
-    with pytest.raises(ConfigError, match="hostname is empty"):
-        resolve(hostname="")

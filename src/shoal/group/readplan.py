@@ -10,7 +10,7 @@ Pure functions over plain data, like the save planner:
   host holds it, else by a rank on a host that holds it, else from shared storage by a
   consumer, with bytes read balanced across hosts (one NIC each), then across the ranks of
   a host. The reader then sends it over the fabric to every other rank that needs it
-  (:meth:`ReadPlan.deliveries`).
+  (:attr:`ChunkRead.consumers`).
 
 A rank reads only its own host's DRAM and local tiers, and the shared tier: a host's
 copies reach other hosts through the fabric, never through another host's file system.
@@ -19,7 +19,7 @@ copies reach other hosts through the fabric, never through another host's file s
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shoal.errors import CheckpointNotFound
 
@@ -155,25 +155,11 @@ class ReadPlan:
 
     reads: Mapping[int, tuple[ChunkRead, ...]]
     """Per reading rank, its reads in order."""
-    shared_bytes: int = 0
-    """Bytes the plan reads from the shared tier (each unique byte at most once)."""
-    host_bytes: Mapping[str, int] = field(default_factory=dict)
-    """Bytes read per host (from its own tiers or, by its ranks, from shared storage)."""
     complete: bool = False
     """Set by the caller: whether the ranks' needs cover every item of the checkpoint."""
 
     def reads_at(self, rank: int) -> tuple[ChunkRead, ...]:
         return self.reads.get(rank, ())
-
-    def deliveries(self) -> dict[tuple[int, int], list[ChunkRead]]:
-        """``(reader, consumer) -> chunks`` for every pair of different ranks, in read order."""
-        out: dict[tuple[int, int], list[ChunkRead]] = {}
-        for reader in sorted(self.reads):
-            for r in self.reads[reader]:
-                for c in r.consumers:
-                    if c != reader:
-                        out.setdefault((reader, c), []).append(r)
-        return out
 
 
 def plan_reads(
@@ -203,7 +189,6 @@ def plan_reads(
     host_load = dict.fromkeys(ranks_on, 0)
     rank_load = dict.fromkeys(range(len(rank_hosts)), 0)
     reads: dict[int, list[ChunkRead]] = {}
-    shared_bytes = 0
     for d in sorted(consumers, key=lambda d: (-lengths[d], d)):
         n = lengths[d]
         srcs = sources.get(d, ())
@@ -226,16 +211,10 @@ def plan_reads(
         reader = min(candidates, key=lambda r: (rank_load[r], r))
         mine = sorted(on_host.get(host, ()), key=lambda s: (_TIER_ORDER.get(s.tier, 9), s.slab is False))
         order = tuple(mine + shared)
-        if not mine:
-            shared_bytes += n
         host_load[host] += n
         rank_load[reader] += n
         reads.setdefault(reader, []).append(ChunkRead(d, n, order, tuple(wanting)))
-    return ReadPlan(
-        {r: tuple(v) for r, v in sorted(reads.items())},
-        shared_bytes,
-        {h: b for h, b in host_load.items() if b},
-    )
+    return ReadPlan({r: tuple(v) for r, v in sorted(reads.items())})
 
 
 __all__ = [

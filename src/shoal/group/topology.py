@@ -1,7 +1,7 @@
 """Where ranks run: hosts, failure domains and replication partners (DESIGN.md sections 1 and 4).
 
 A :class:`Topology` is plain, immutable data that every rank can build for itself from
-the host id of every rank (one all-gather of :func:`host_for_rank` at start-up). It says:
+the host id of every rank (one all-gather at start-up). It says:
 
 * which host each rank runs on (``rank_hosts``), and the hosts in order of their lowest rank;
 * the failure domain of each host (a rack, a power feed; by default the host itself):
@@ -131,11 +131,6 @@ class Topology:
         self._check_rank(rank)
         return self._local_index[rank]
 
-    def domain_of(self, host: str) -> str:
-        """The failure domain of ``host``."""
-        self.ranks_on(host)
-        return self.domains[host]
-
     def partner(self, host: str) -> str:
         """The host that receives ``host``'s replicas; ConfigError when replication is off."""
         try:
@@ -219,43 +214,4 @@ def build_topology(
     return Topology(rank_hosts, hosts, partners, dom)
 
 
-def host_for_rank(
-    rank: int,
-    *,
-    host_id: str | None,
-    ranks_per_node: int | None,
-    env: Mapping[str, str],
-    hostname: str,
-) -> str:
-    """The host id of ``rank``, resolved without I/O; the first of these that is set wins:
-
-    1. ``host_id``: given explicitly (``Config.host_id``);
-    2. ``env["SHOAL_HOST_ID"]``: tests simulate several hosts on one machine this way;
-    3. ``ranks_per_node``: ``f"node{rank // ranks_per_node}"`` (ranks packed node by node);
-    4. ``env["GROUP_RANK"]`` (set by torchrun for each node's agent): ``f"node{GROUP_RANK}"``;
-    5. ``hostname`` (``socket.gethostname()`` on the caller's side).
-
-    Every rank calls it for itself; the results are all-gathered into :func:`build_topology`.
-    """
-    if host_id:
-        return host_id
-    if env.get("SHOAL_HOST_ID"):
-        return env["SHOAL_HOST_ID"]
-    if ranks_per_node is not None:
-        if ranks_per_node <= 0:
-            raise ConfigError(f"ranks_per_node must be positive, got {ranks_per_node}")
-        return f"node{rank // ranks_per_node}"
-    group_rank = env.get("GROUP_RANK", "")
-    if group_rank:
-        if not group_rank.isdigit():
-            raise ConfigError(f"GROUP_RANK must be a node number, got {group_rank!r}")
-        return f"node{int(group_rank)}"
-    if not hostname:
-        raise ConfigError(
-            f"rank {rank}: no host id (host_id, SHOAL_HOST_ID, ranks_per_node, "
-            f"GROUP_RANK all unset) and the hostname is empty"
-        )
-    return hostname
-
-
-__all__ = ["SCHEMES", "Topology", "build_topology", "host_for_rank"]
+__all__ = ["SCHEMES", "Topology", "build_topology"]
