@@ -19,7 +19,8 @@ Digests are never shortened or trusted by hash: equal means all 32 bytes equal.
 How it works (described here once; each private module names its stage). The coordinator
 plans every checkpoint of jobs of thousands of ranks of a thousand chunks each, so no stage
 makes a Python object per chunk, and per item only where items differ from their template.
-Measurements, stage by stage, are in ``docs/benchmarks.md`` ("The group-save planner alone").
+The numbers behind that (16,384 ranks, stage by stage) are in ``docs/benchmarks.md``,
+"The group-save planner alone" and its "Why the planner is built the way it is (scale)".
 
 1. **Who holds what** (:mod:`shoal.group._tables`, giving a
    :class:`~shoal.group._holdings.Holdings`). A *slot* is a rank's position in rank order.
