@@ -47,6 +47,7 @@ from shoal.engine.hoststate import (
     write_run_file,
 )
 from shoal.engine.pipeline import Pipeline
+from shoal.engine.protocol import Gate
 from shoal.engine.restore import LoadReport, Restore, RestoreContext, sources_in
 from shoal.engine.staged import StagedIndex, staged_path
 from shoal.engine.stager import Slot, SlotRing, StagedItem, StageEntry, stage_into
@@ -55,6 +56,7 @@ from shoal.errors import (
     CheckpointExists,
     ConfigError,
     OwnershipError,
+    RestoreFailed,
     ShoalError,
     StateError,
     TierError,
@@ -64,7 +66,7 @@ from shoal.format import layout
 from shoal.format.chunking import Hasher
 from shoal.format.dcp_codec import encode_metadata
 from shoal.format.manifest import Manifest
-from shoal.group.fabric import Fabric
+from shoal.group.fabric import Board, Fabric
 from shoal.group.topology import build_topology
 from shoal.tiers import open_tier
 from shoal.tiers.base import Tier
@@ -202,6 +204,10 @@ class Checkpointer:
         """Handles of recent saves, until they finish: the newest B4 supersedes leftovers."""
         self._committed: set[int] = set()
         self._warmer: threading.Thread | None = None
+        self._board = Board.for_job(f"shoal/{run}/")
+        """Decisions every rank reads without a collective (the gates of saves through DCP)."""
+        self._dcp_saves = 0
+        self._dcp_loads = 0
 
     def _claim_host(self, cfg: Config) -> tuple[list[str], dict[str, str]]:
         """Collective: take this rank's lock; learn every rank's host, domain and host runs.
@@ -316,6 +322,7 @@ class Checkpointer:
         started = time.perf_counter()
         self._check_open()
         layout.check_step(step)
+        self._resolve_undecided(f"save({step}) was called")
         if self._agree_to_skip(step):
             handle = SaveHandle(step, started=started, skipped=True)
             self._events.emit("skipped", step, in_flight=self._ring.in_flight_steps())
@@ -426,18 +433,21 @@ class Checkpointer:
             )
 
     def _stage(
-        self, step: int, entries: Sequence[StageEntry], *, started: float, submit: bool
+        self, step: int, entries: Sequence[StageEntry], *, started: float, gate: Gate | None
     ) -> tuple[SaveHandle, list[StagedItem] | None]:
         """Copy ``entries`` into a free DRAM slot (the writer's ``write_data``); None items if skipped.
 
-        With ``submit`` the job goes to the pipeline at once (DCP used directly on a
-        non-coordinator rank, which never sees ``finish``); otherwise on :meth:`_submit`.
+        ``gate`` None: :meth:`save` drives DCP and submits the job once ``dcp.save`` returned on
+        every rank. With a gate (``dcp.save`` called directly with shoal's writer) the job goes to
+        the pipeline at once and waits there until the rank that runs DCP's ``finish`` opens the
+        gate, or the save is abandoned (see :class:`~shoal.engine.protocol.Gate`).
         """
         self._check_open()
+        self._resolve_undecided(f"step {step} was staged")
         if step in self._pipeline.in_flight() or step in self._staging:
             raise CheckpointExists(f"step {step} is already being checkpointed by this process")
         self._events.emit("save_called", step, items=len(entries))
-        slot, waited = self._ring.acquire(step, wait=self.config.on_busy == "wait")
+        slot, waited = self._ring.acquire(step, wait=self.config.on_busy == "wait" or gate is not None)
         if slot is None:
             handle = SaveHandle(step, started=started, skipped=True)
             self._events.emit("skipped", step, in_flight=self._ring.in_flight_steps())
@@ -468,13 +478,65 @@ class Checkpointer:
         except BaseException:
             self._ring.release(slot)
             raise
-        with self._lock:
-            self._staging[step] = job
         self._warm_other_slots(slot)
         self._events.emit("staged", step, bytes=sum(s.nbytes for s in staged), wait_seconds=waited)
-        if submit:
-            self._submit(step)
+        if gate is None:
+            with self._lock:
+                self._staging[step] = job
+        else:
+            job.gate = gate
+            job.dcp_ready.set()  # whatever metadata there is comes with the gate (finish runs first)
+            self._pipeline.submit(job)
+            self._watch(handle)
         return handle, staged
+
+    def _new_gate(self, sequence: int, step: int) -> Gate:
+        """The gate of the ``sequence``-th save through DCP directly (every rank counts alike)."""
+        return Gate(self._board, f"save/{sequence}/step-{step}")
+
+    def _next_dcp_save(self) -> int:
+        """Count a ``shoal.dcp.StorageWriter`` made on this rank (every rank makes one per save)."""
+        with self._lock:
+            self._dcp_saves += 1
+            return self._dcp_saves
+
+    def _next_dcp_load(self) -> int:
+        """Count a ``shoal.dcp.StorageReader`` made on this rank (every rank makes one per load)."""
+        with self._lock:
+            self._dcp_loads += 1
+            return self._dcp_loads
+
+    def _arrive(self, sequence: int, phase: str, timeout: float) -> None:
+        """Every rank reached ``phase`` of the ``sequence``-th load, before any collective of it.
+
+        Raises :class:`~shoal.errors.RestoreFailed` naming the ranks that did not come within
+        ``timeout`` seconds (their ``dcp.load`` failed before this phase): every rank that came
+        fails alike, and the background group is left as it was.
+        """
+        if self._board is None:
+            return
+        missing = self._board.arrive(f"load/{sequence}/{phase}", self.rank, self.world_size, timeout)
+        if missing:
+            raise RestoreFailed(
+                f"ranks {missing} did not reach {phase} of this load within {timeout:.0f} s (their "
+                "dcp.load failed before it); nothing was read, and the next load can go ahead"
+            )
+
+    def _resolve_undecided(self, why: str) -> None:
+        """Abandon checkpoints staged through ``dcp.save`` whose ``finish`` never came.
+
+        Called by everything a rank does next (save, load, wait, close): by then DCP's save of
+        such a checkpoint has returned on every rank, so a gate still closed means ``finish``
+        did not run (a rank's ``write_data`` or ``finish`` failed and ``dcp.save`` raised). A
+        decision another rank posted first (``finish`` did run) is kept.
+        """
+        for job in self._pipeline.jobs():
+            if not job.gate.decided:
+                job.gate.fail(
+                    f"DCP's save of step {job.step} did not complete on every rank (some rank's "
+                    f"write_data or finish failed, so dcp.save raised there); abandoned when {why} "
+                    f"on rank {self.rank}"
+                )
 
     def _warm_other_slots(self, slot: Slot) -> None:
         """Pre-fault the ring's other slabs in the background, sized like the one just used."""
@@ -488,8 +550,12 @@ class Checkpointer:
             )
             self._warmer.start()
 
-    def _finish(self, step: int, metadata: Metadata, *, submit: bool) -> None:
-        """The coordinator's DCP ``finish``: keep the encoded metadata for the manifest."""
+    def _finish(self, step: int, metadata: Metadata, *, gated: bool) -> None:
+        """DCP's ``finish`` (on DCP's coordinator): keep the encoded metadata for the manifest.
+
+        ``gated`` (``dcp.save`` called directly): open the checkpoint's gate, so that every
+        rank's pipeline takes it on; if this fails, the gate fails and every rank skips it.
+        """
         with self._lock:
             job = self._staging.get(step) or self._pipeline.job(step)
         if job is None:
@@ -501,11 +567,13 @@ class Checkpointer:
                 job.staged.write(self.dram)
         except BaseException as e:
             job.aborted = f"{type(e).__name__}: {e}"
+            if gated:
+                job.gate.fail(f"DCP's finish of step {step} failed on rank {self.rank}: {job.aborted}")
             raise
         finally:
             job.dcp_ready.set()
-        if submit:
-            self._submit(step)
+        if gated:
+            job.gate.open()
 
     def _submit(self, step: int) -> None:
         """Hand the staged checkpoint to the pipeline; non-coordinators have no DCP metadata to wait for."""
@@ -513,8 +581,7 @@ class Checkpointer:
             job = self._staging.pop(step, None)
         if job is None:
             return  # skipped, or already submitted
-        if self.rank != 0:
-            job.dcp_ready.set()
+        job.dcp_ready.set()  # DCP's finish ran (on the coordinator) before dcp.save returned
         self._pipeline.submit(job)
 
     def _abort_staging(self, step: int, error: BaseException) -> None:
@@ -595,6 +662,7 @@ class Checkpointer:
         self._check_open()
         if step is not None:
             layout.check_step(step)
+        self._resolve_undecided("a load began")
         self._pipeline.flush()
         restore = Restore(self._restore_context)
         restore.begin(step)
@@ -626,6 +694,7 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every checkpoint this process staged is finished (or failed); False on timeout."""
+        self._resolve_undecided("wait() was called")
         return self._pipeline.flush(timeout)
 
     # -- close -----------------------------------------------------------------
@@ -636,6 +705,7 @@ class Checkpointer:
         self._closed = True
         atexit.unregister(self._at_exit)
         limit = self.config.close_timeout if timeout is None else timeout
+        self._resolve_undecided("the Checkpointer was closed")
         if not self._pipeline.close(limit):
             log.warning(
                 "close(): checkpoints %s still in flight after %.0f s",

@@ -130,6 +130,8 @@ class StorageWriter(_DcpStorageWriter):
         self._handle: SaveHandle | None = None
         self._staged: Any = None
         self.is_coordinator = True
+        # Every rank makes one writer per save, so the count names the save alike on every rank.
+        self._sequence = None if _managed else checkpointer._next_dcp_save()
 
     @property
     def handle(self) -> SaveHandle:
@@ -170,10 +172,10 @@ class StorageWriter(_DcpStorageWriter):
                         f"item {key!r}: the planner resolved a {type(data).__name__}, not a tensor"
                     )
             entries.append(StageEntry(key, payload))
-        early = not self._managed and not self.is_coordinator  # never sees finish()
-        self._handle, staged = self.checkpointer._stage(
-            self.step, entries, started=self._started, submit=early
-        )
+        gate = None
+        if self._sequence is not None:  # dcp.save called directly: the pipeline waits for finish
+            gate = self.checkpointer._new_gate(self._sequence, self.step)
+        self._handle, staged = self.checkpointer._stage(self.step, entries, started=self._started, gate=gate)
         self._staged = staged
         sizes = {s.key: s.nbytes for s in staged} if staged is not None else {}
         for item, entry in zip(plan.items, entries, strict=True):
@@ -186,7 +188,7 @@ class StorageWriter(_DcpStorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
-        self.checkpointer._finish(self.step, metadata, submit=not self._managed)
+        self.checkpointer._finish(self.step, metadata, gated=not self._managed)
         if not self._managed:
             # every rank's write results reached finish(): every rank has staged
             self.handle._reach_at_least(Boundary.STAGED)
@@ -240,6 +242,8 @@ class StorageReader(_DcpStorageReader):
         self.report: LoadReport | None = None
         self._checked: Metadata | None = None
         self._error: Exception | None = None
+        # Every rank makes one reader per load, so the count names the load alike on every rank.
+        self._sequence = checkpointer._next_dcp_load()
         if manifest is not None:  # chosen already (Checkpointer.load): refuse it before DCP starts
             self._checked = _checked_metadata(manifest)
 
@@ -256,6 +260,10 @@ class StorageReader(_DcpStorageReader):
 
     def _manifest(self) -> Manifest:
         if self._restore is None:
+            # The choice is collective: enter it only once every rank is here (a rank whose
+            # read_metadata failed before ours never comes; the others then fail alike).
+            limit = self.checkpointer.config.collective_timeout
+            self.checkpointer._arrive(self._sequence, "read_metadata", limit)
             self._restore = self.checkpointer._begin_restore(self._requested)
         assert self._restore.manifest is not None
         return self._restore.manifest
@@ -313,7 +321,10 @@ class StorageReader(_DcpStorageReader):
             for key, items in groups.items():
                 rec = manifest.items[key]
                 finishers.append(_prepare_item(rec, manifest.step, items, planner, dests, allow_pickle))
-        # Collective: every rank takes part, even with nothing to read or a bad plan.
+        # Collective: every rank takes part, even with nothing to read or a bad plan; entered only
+        # once every rank is here (DCP's plan scatter just synchronised them: a short wait).
+        limit = min(60.0, self.checkpointer.config.collective_timeout)
+        self.checkpointer._arrive(self._sequence, "read_data", limit)
         self.report = self._restore.fetch(dests, problem=problem)
         for finish in finishers:
             finish()

@@ -98,6 +98,8 @@ class GroupSave:
         self.step = job.step
         self.items = {item.key: item for item in job.slot.items}
         self.local_error: Exception | None = None
+        self.dcp: Mapping[str, Any] | None = None
+        """The coordinator's copy of the checkpoint's DCP metadata (from the C1 reports)."""
         self.coordination_seconds = 0.0
         self.collectives = 0
 
@@ -119,6 +121,8 @@ class GroupSave:
             failpoints.hit("pipeline.before_hash", rank=ctx.rank)
             report = self._report()
             reports = self._collective(ctx.fabric.gather, report)  # C1
+            if reports is not None:  # the coordinator: DCP's metadata, from whichever rank ran finish
+                self.dcp = next((r.dcp for r in reports if r.dcp is not None), None)
             h._reach_at_least(Boundary.STAGED)  # every rank has staged and reported
             self._emit_boundary(Boundary.STAGED)
             target = Boundary.REPLICATED if ctx.replicate else Boundary.PERSISTED
@@ -204,7 +208,8 @@ class GroupSave:
             nbytes = sum(s.nbytes for s in self.job.slot.items)
             ctx.events.emit("hashed", self.step, bytes=nbytes, seconds=time.perf_counter() - t0)
             self._write_staged_index(items)
-            return RankReport(ctx.rank, ctx.host, items, held, prefixes=every.prefixes())
+            dcp = self.job.dcp if self.job.dcp_ready.is_set() and not self.job.aborted else None
+            return RankReport(ctx.rank, ctx.host, items, held, dcp=dcp, prefixes=every.prefixes())
         except Exception as e:
             return RankReport(ctx.rank, ctx.host, (), held, self._local("hash", e))
 
@@ -538,12 +543,15 @@ class GroupSave:
         )  # fmt: skip
 
     def _dcp_metadata(self) -> Mapping[str, Any] | None:
-        """The coordinator's DCP metadata (set by the writer's ``finish``), waited for if need be."""
-        if not self.job.dcp_ready.wait(self.ctx.dcp_timeout):
-            raise TimeoutError(f"step {self.step}: DCP's finish() did not deliver the metadata")
+        """The checkpoint's DCP metadata, from the C1 report of the rank that ran DCP's ``finish``.
+
+        Checkpoints reach the protocol only once their gate opened, that is after ``finish``:
+        the rank that ran it reported the metadata in C1. A save made without DCP metadata (a
+        test driving the pipeline directly) has none.
+        """
         if self.job.aborted:
             raise GroupFailure(f"step {self.step}: the save was aborted: {self.job.aborted}")
-        return self.job.dcp
+        return self.dcp
 
     def _manifest(
         self,

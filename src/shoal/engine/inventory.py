@@ -281,8 +281,8 @@ STAGED = "staged"
 def staged_manifests(records: Iterable[StagedRecord]) -> list[Manifest]:
     """The checkpoints whose every rank's slab survives with its staged index (B1 after a crash).
 
-    A step qualifies when staged indexes of one job cover ranks ``0..world_size-1`` and the
-    coordinator's carries the DCP metadata (DCP's ``finish``: every rank had staged). Its
+    A step qualifies when staged indexes of one job cover ranks ``0..world_size-1`` and one of
+    them (the rank that ran DCP's ``finish``) carries the DCP metadata: every rank had staged. Its
     manifest is rebuilt from them (items and digests; chunk locations come from the sources).
     """
     by_step: dict[tuple[str, int], dict[int, StagedRecord]] = {}
@@ -291,8 +291,10 @@ def staged_manifests(records: Iterable[StagedRecord]) -> list[Manifest]:
     out = []
     for (job, step), ranks in sorted(by_step.items(), key=lambda kv: kv[0][1]):
         world = max((r.world_size for r in ranks.values()), default=0)
-        coordinator = ranks.get(0)
-        if not world or set(ranks) != set(range(world)) or coordinator is None or coordinator.dcp is None:
+        # DCP's finish ran on one rank (the coordinator, rank 0 unless dcp.save was told another):
+        # its index carries the metadata, and proves that every rank had staged.
+        coordinator = next((r for _, r in sorted(ranks.items()) if r.dcp is not None), None)
+        if not world or set(ranks) != set(range(world)) or coordinator is None:
             continue
         items: dict[str, ItemRecord] = {}
         for rank, rec in sorted(ranks.items()):

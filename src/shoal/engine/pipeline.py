@@ -26,9 +26,10 @@ from shoal.engine.fence import WriterFence
 from shoal.engine.group_save import GroupSave, PipelineContext, SaveJob
 from shoal.engine.handle import SaveHandle
 from shoal.engine.retention import apply_retention, latest_step, pack_ids_on, plan_retention
+from shoal.engine.staged import staged_path
 from shoal.engine.stager import SlotRing
 from shoal.engine.store import list_checkpoints
-from shoal.errors import StateError, WriterFenced
+from shoal.errors import CheckpointFailed, StateError, WriterFenced
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,11 @@ class Pipeline:
         with self._cond:
             return {s: j.handle for s, j in self._pending.items()}
 
+    def jobs(self) -> list[SaveJob]:
+        """The checkpoints queued or being processed, in step order."""
+        with self._cond:
+            return [self._pending[s] for s in sorted(self._pending)]
+
     def job(self, step: int) -> SaveJob | None:
         with self._cond:
             return self._pending.get(step)
@@ -111,7 +117,11 @@ class Pipeline:
                 return
             try:
                 try:
-                    GroupSave(self.context, job).run()
+                    abandoned = job.gate.wait()
+                    if abandoned is None:
+                        GroupSave(self.context, job).run()
+                    else:
+                        self._abandon(job, abandoned)
                 finally:
                     self.ring.release(job.slot)
                 if job.handle.error is None:
@@ -122,6 +132,18 @@ class Pipeline:
                 with self._cond:
                     self._pending.pop(job.step, None)
                     self._cond.notify_all()
+
+    def _abandon(self, job: SaveJob, why: str) -> None:
+        """Fail a checkpoint whose gate failed, at B1, on this rank alone: no collective is made."""
+        error = CheckpointFailed(f"step {job.step} was abandoned before the group protocol: {why}")
+        log.warning("%s", error)
+        self.context.events.emit("failed", job.step, boundary=Boundary.STAGED.name, error=str(error))
+        if self.context.dram is not None and job.staged is not None:
+            try:  # the slot's bytes will be overwritten: its index must not describe them
+                self.context.dram.delete(staged_path(job.staged.slab))
+            except Exception as e:
+                log.warning("could not delete the staged index of abandoned step %d: %s", job.step, e)
+        job.handle._fail(Boundary.STAGED, error)
 
     def _retain(self, step: int) -> None:
         """Retention after ``step`` committed: the coordinator on shared, host leaders on their tier."""

@@ -29,6 +29,70 @@ class GroupFailure(ShoalError, RuntimeError):
     """A checkpoint failed on some rank; every rank reports the same error."""
 
 
+class Gate:
+    """Whether a staged checkpoint may go on into the group protocol: decided once, by one rank.
+
+    A checkpoint staged through DCP directly (``dcp.save`` with shoal's writer) is handed to
+    the pipeline as soon as the rank has staged it, before the rank can know whether DCP's
+    save succeeded everywhere: only the rank that runs DCP's ``finish`` learns that. That rank
+    decides (``open`` after ``finish``, ``fail`` if ``finish`` failed) and posts the decision on
+    the job's :class:`~shoal.group.fabric.Board`; the other ranks' gates read it there. A save
+    whose ``finish`` never came (some rank's ``write_data`` failed, so DCP raised on every
+    rank) is abandoned by the next thing any rank does (save, load, wait, close). A gate that
+    failed makes the pipeline fail the checkpoint at B1 on that rank without a collective, so
+    every rank skips it alike and gives its DRAM slot back.
+    """
+
+    OPEN = "ok"
+
+    def __init__(self, board: Any = None, key: str | None = None) -> None:
+        self._event = threading.Event()
+        self._error: str | None = None
+        self._board = board
+        self._key = key
+
+    @classmethod
+    def opened(cls) -> Gate:
+        gate = cls()
+        gate._event.set()
+        return gate
+
+    @property
+    def decided(self) -> bool:
+        return self._event.is_set()
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def _decide(self, verdict: str) -> None:
+        if not self._event.is_set():
+            self._error = None if verdict == self.OPEN else verdict
+            self._event.set()
+
+    def open(self) -> None:
+        """This rank ran DCP's ``finish``: the checkpoint goes on (posted for the other ranks)."""
+        self._decide(self._post(self.OPEN))
+
+    def fail(self, why: str) -> None:
+        """The checkpoint is abandoned (posted; if another rank decided first, its decision holds)."""
+        self._decide(self._post(why))
+
+    def _post(self, verdict: str) -> str:
+        if self._board is None or self._key is None:
+            return verdict
+        return str(self._board.post(self._key, verdict))
+
+    def wait(self, poll: float = 0.02) -> str | None:
+        """Block until decided; None to go on, or why the checkpoint was abandoned."""
+        while not self._event.wait(poll):
+            if self._board is not None and self._key is not None:
+                verdict = self._board.peek(self._key)
+                if verdict is not None:
+                    self._decide(verdict)
+        return self._error
+
+
 @dataclass(eq=False)
 class SaveJob:
     """One staged checkpoint handed to the pipeline (on every rank)."""
@@ -44,6 +108,8 @@ class SaveJob:
     aborted: str | None = None
     staged: StagedIndex | None = None
     """The slot's staged index, written at B1 and completed as the checkpoint goes on."""
+    gate: Gate = field(default_factory=Gate.opened)
+    """Whether the checkpoint may enter the group protocol (see :class:`Gate`)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +139,9 @@ class RankReport:
     items: tuple[ReportItem, ...]
     held: frozenset[str] | None = None
     error: str | None = None
+    dcp: Mapping[str, Any] | None = None
+    """The checkpoint's encoded DCP metadata, from the rank that ran DCP's ``finish`` (any rank:
+    ``dcp.save(..., coordinator_rank=k)``); None from the others."""
     prefixes: bytes | None = None
     """The first 8 bytes of every digest of ``items``, item after item
     (:meth:`~shoal.group.digests.Digests.prefixes`): the planner's sort keys, made here on every

@@ -11,11 +11,65 @@ in step order, on every rank. With one rank, everything is local.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+class Board:
+    """Decisions every rank can read without a collective: a key-value board on the job's store.
+
+    A decision is posted once (the first post wins; later posts read it back), and read
+    without blocking, so a rank waiting for one never sits inside a collective that a
+    rank which never comes would leave half done. Backed by torch.distributed's default
+    store (the rendezvous store every job already has), under a prefix of shoal's own.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    @classmethod
+    def for_job(cls, prefix: str) -> Board | None:
+        """The board of this job (None without torch.distributed or with one rank)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        # torch.distributed has no public accessor for the default group's store; this is the
+        # one place shoal uses it.
+        default = dist.distributed_c10d._get_default_store()
+        return cls(dist.PrefixStore(prefix, default))
+
+    def post(self, key: str, value: str) -> str:
+        """Post ``value`` under ``key`` unless a decision is there already; return the decision."""
+        got = self._store.compare_set(key, "", value)
+        return bytes(got).decode() if not isinstance(got, str) else got
+
+    def arrive(self, key: str, rank: int, world_size: int, timeout: float) -> list[int]:
+        """Wait (without a collective) until every rank arrived at ``key``; the ranks missing at timeout.
+
+        Returns ``[]`` once all ``world_size`` ranks arrived. A rank that never comes (its
+        caller failed before reaching this point) costs the others ``timeout`` seconds, after
+        which they can fail alike without having started a collective that would be left half
+        done on the background group.
+        """
+        self._store.set(f"{key}/r{rank}", "1")
+        deadline = time.monotonic() + timeout
+        arrived = int(self._store.add(f"{key}/count", 1))
+        while arrived < world_size:
+            if time.monotonic() >= deadline:
+                return [r for r in range(world_size) if not self._store.check([f"{key}/r{r}"])]
+            time.sleep(0.005)
+            arrived = int(self._store.add(f"{key}/count", 0))
+        return []
+
+    def peek(self, key: str) -> str | None:
+        """The decision under ``key``, or None if none was posted yet (never blocks)."""
+        if not self._store.check([key]):
+            return None
+        got = self._store.get(key)
+        return bytes(got).decode() if not isinstance(got, str) else got
 
 
 class Fabric:
