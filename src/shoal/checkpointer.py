@@ -4,6 +4,10 @@
 pre-faulted DRAM slab, with a :class:`SaveHandle` that the background pipeline
 advances through B3 and B4. ``load`` reads through DCP's planner, so DTensor and
 ShardedTensor state and resharding work, and verifies every chunk it reads.
+
+A thin client of the engine runtime (:class:`shoal.engine.runtime.Runtime`), like
+:mod:`shoal.dcp`: it drives ``dcp.save``/``dcp.load`` with shoal's writer and reader over
+the same sessions a user's own ``dcp.save`` would use.
 """
 
 from __future__ import annotations
@@ -11,64 +15,26 @@ from __future__ import annotations
 import atexit
 import io
 import logging
-import os
 import pickle
-import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as torch_dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
 
-from shoal import failpoints
+from shoal import dcp as shoal_dcp
 from shoal.boundary import Boundary
 from shoal.config import Config
-from shoal.engine.catalog import ChunkCatalog
-from shoal.engine.events import EventLog
-from shoal.engine.group_save import PipelineContext, SaveJob
 from shoal.engine.handle import SaveHandle
-from shoal.engine.hoststate import (
-    HostLock,
-    RunRecord,
-    claim_shared_run,
-    drop_leftover,
-    find_leftovers,
-    list_host_runs,
-    log_foreign_runs,
-    new_generation,
-    run_dir,
-    same_run_candidates,
-    write_run_file,
-)
-from shoal.engine.pipeline import Pipeline
-from shoal.engine.protocol import Gate
-from shoal.engine.restore import LoadReport, Restore, RestoreContext, sources_in
-from shoal.engine.staged import StagedIndex, staged_path
-from shoal.engine.stager import Slot, SlotRing, StagedItem, StageEntry, stage_into
-from shoal.engine.store import list_checkpoints, read_pointer, resolve_manifest
-from shoal.errors import (
-    CheckpointExists,
-    ConfigError,
-    OwnershipError,
-    RestoreFailed,
-    ShoalError,
-    StateError,
-    TierError,
-    UnsupportedValue,
-)
+from shoal.engine.restore import LoadReport, sources_in
+from shoal.engine.runtime import Runtime
+from shoal.errors import ShoalError, UnsupportedValue
 from shoal.format import layout
-from shoal.format.chunking import Hasher
-from shoal.format.dcp_codec import encode_metadata
 from shoal.format.manifest import Manifest
-from shoal.group.fabric import Board, Fabric
-from shoal.group.topology import build_topology
-from shoal.tiers import open_tier
+from shoal.group.topology import Topology
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
 from shoal.tiers.local import PosixTier
@@ -113,187 +79,59 @@ class Checkpointer:
     """
 
     def __init__(self, config: Config) -> None:
-        if not isinstance(config, Config):
-            raise ConfigError(f"Checkpointer needs a shoal.Config, got {type(config).__name__}")
-        distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if distributed else 0
-        self.world_size = dist.get_world_size() if distributed else 1
-        cfg = config.resolved(self.rank)
-        assert cfg.host_id is not None and cfg.local is not None and cfg.dram is not None
-        self.host = cfg.host_id
-        self._closed = True  # until construction completes: close() then has nothing to do
-        self._host_lock = HostLock(cfg.dram, cfg.job, self.host, self.rank)
-        rank_hosts, domains = self._claim_host(cfg)
-        try:
-            self.shared = open_tier("shared", cfg.shared_url(), cfg.storage_options)
-            self.run_id = self._agree_on_run(cfg)
-            self._open(cfg, rank_hosts, domains)
-        except BaseException:
-            self._host_lock.release()
-            raise
-        self._closed = False
-        atexit.register(self._at_exit)
-
-    def _open(self, cfg: Config, rank_hosts: list[str], domains: dict[str, str]) -> None:
-        """Open this run's host tiers, the pipeline and the restore (after the run is agreed on)."""
-        assert cfg.local is not None and cfg.dram is not None
-        run = self.run_id
-        replicate = cfg.path == "partner" or (cfg.path == "auto" and len(set(rank_hosts)) > 1)
-        self.topology = build_topology(
-            rank_hosts, scheme=cfg.partner_scheme, domains=domains, replicate=replicate
-        )
-        self.dram = DramTier(run_dir(cfg.dram, cfg.job, self.host, run), base=cfg.dram)
-        self.local = local = PosixTier(run_dir(cfg.local, cfg.job, self.host, run), base=cfg.local)
-        """This run's local-disk tier on this host (partner copies, the event log)."""
-        record = RunRecord(run, cfg.shared_url(), cfg.job, time.time())
-        for root, tier in ((cfg.dram, self.dram), (cfg.local, local)):
-            tier.ensure_root()
-            write_run_file(root, tier.root, record)
-            log_foreign_runs(list_host_runs(root, cfg.job, self.host), run, f"rank {self.rank}")
-        if cfg.event_log is None:
-            cfg = replace(cfg, event_log=os.path.join(local.root, "events.jsonl"))
-        self.config = cfg
-        host_tier: Tier | None = None
-        if replicate:
-            host_tier = self.dram if cfg.replicate_to == "dram" else local
-        self._host_tier = host_tier
-        generation = new_generation()
-        self._ring = SlotRing(self.dram, cfg.dram_slots, prefix=f"r{self.rank}-{generation}-")
-        self._leftovers = find_leftovers(self.dram, rank=self.rank, own=[s.name for s in self._ring.slots])
-        for left in self._leftovers:
-            log.info(
-                "keeping step %s staged by an earlier process of this run (slab %s) until a newer "
-                "checkpoint reaches B4",
-                left.step,
-                left.slot,
-            )
-        self._events = EventLog(cfg.event_log, host=self.host, rank=self.rank)
-        fabric = Fabric.create(cfg.collective_timeout)
-        context = PipelineContext(
-            fabric=fabric,
-            topology=self.topology,
-            shared=self.shared,
-            host_tier=host_tier,
-            chunk_size=cfg.chunk_size,
-            replicate=replicate,
-            events=self._events,
-            hasher=Hasher(cfg.hash_threads),
-            dcp_timeout=cfg.collective_timeout,
-            dram=self.dram,
-            run_id=run,
-        )
-        if host_tier is not None and context.is_host_leader:
-            context.host_catalog = ChunkCatalog.scan(host_tier, committed_only=False)
-        self._pipeline = Pipeline(context, self._ring, keep_last=cfg.keep_last)
-        self._restore_context = RestoreContext(
-            fabric=fabric,
-            topology=self.topology,
-            host=self.host,
-            shared=self.shared,
-            host_tiers={"local": local, "dram": self.dram},
-            dram=self.dram,
-            run_id=run,
-        )
+        self.runtime = Runtime(config)
+        """The engine this Checkpointer drives (shared with ``shoal.dcp``'s writer and reader)."""
         self.last_load: LoadReport | None = None
         """What the last :meth:`load` used: step, metadata origin, bytes per tier."""
         self.last_heal: SaveHandle | None = None
         """The save that heals the last checkpoint :meth:`load` restored, if it was uncommitted."""
-        self._lock = threading.Lock()
-        self._staging: dict[int, SaveJob] = {}
-        self._watched: list[SaveHandle] = []
-        """Handles of recent saves, until they finish: the newest B4 supersedes leftovers."""
-        self._committed: set[int] = set()
-        self._warmer: threading.Thread | None = None
-        self._board = Board.for_job(f"shoal/{run}/")
-        """Decisions every rank reads without a collective (the gates of saves through DCP)."""
-        self._dcp_saves = 0
-        self._dcp_loads = 0
+        atexit.register(self._at_exit)
 
-    def _claim_host(self, cfg: Config) -> tuple[list[str], dict[str, str]]:
-        """Collective: take this rank's lock; learn every rank's host, domain and host runs.
+    # -- what the runtime is -------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.runtime.rank
 
-        Every rank learns every rank's lock problem, so all of them raise together.
-        """
-        assert cfg.dram is not None and cfg.local is not None
-        problem: str | None = None
-        error: BaseException | None = None
-        candidates: list[tuple[str, float]] = []
-        try:
-            self._host_lock.acquire()
-            for root in (cfg.dram, cfg.local):
-                found = list_host_runs(root, cfg.job, self.host)
-                candidates += [
-                    (r.record.run, r.mtime)
-                    for r in same_run_candidates(found, cfg.shared_url(), cfg.job)
-                    if r.record is not None
-                ]
-        except (ShoalError, OSError) as e:
-            error = e
-            problem = f"rank {self.rank} (host {self.host}): {e}"
-        mine = (self.host, cfg.failure_domain or self.host, problem, candidates)
-        everyone: list[Any] = [mine]
-        if self.world_size > 1:
-            everyone = [None] * self.world_size
-            dist.all_gather_object(everyone, mine)
-        problems = [p for _, _, p, _ in everyone if p]
-        if problems:
-            self._host_lock.release()
-            if error is not None:
-                raise error
-            raise OwnershipError(f"another rank could not start: {problems[0]}")
-        self._host_candidates = sorted(
-            {c for _, _, _, cs in everyone for c in cs}, key=lambda c: c[1], reverse=True
-        )
-        domains: dict[str, str] = {}
-        for host, domain, _, _ in everyone:
-            if domains.setdefault(host, domain) != domain:
-                self._host_lock.release()
-                raise ConfigError(
-                    f"ranks of host {host!r} disagree on its failure domain ({domains[host]!r}, {domain!r})"
-                )
-        return [h for h, _, _, _ in everyone], domains
+    @property
+    def world_size(self) -> int:
+        return self.runtime.world_size
 
-    def _agree_on_run(self, cfg: Config) -> str:
-        """Collective: the run id, from ``<shared>/<job>/RUN`` (recorded now if the job is new).
+    @property
+    def config(self) -> Config:
+        """The config, resolved for this rank (host id, roots, event log)."""
+        return self.runtime.config
 
-        If the shared tier cannot be used, the run is the newest host run directory that
-        names the same shared root and job (a restore from host tiers alone); with none, the
-        shared tier's error is raised on every rank, naming the shared root.
-        """
-        message: tuple[str | None, str | None] = (None, None)
-        if self.rank == 0:
-            try:
-                message = (claim_shared_run(self.shared, cfg.shared_url(), cfg.job).run, None)
-            except (ShoalError, OSError) as e:
-                if self._host_candidates:
-                    run = self._host_candidates[0][0]
-                    log.warning(
-                        "shared tier %s cannot be used (%s); continuing as run %s, found in the host "
-                        "tiers: checkpoints restore from host copies, saves fail until it is back",
-                        self.shared.url,
-                        e,
-                        run,
-                    )
-                    message = (run, None)
-                else:
-                    message = (
-                        None,
-                        f"cannot use the shared root {cfg.shared!r} for job {cfg.job!r}: recording the "
-                        f"run at {self.shared.url}/{layout.RUN} failed: {type(e).__name__}: {e}",
-                    )
-        if self.world_size > 1:
-            box: list[Any] = [message]
-            dist.broadcast_object_list(box, src=0)
-            message = box[0]
-        run, error = message
-        if error is not None or run is None:
-            raise TierError(error or "no run id")
-        return run
+    @property
+    def host(self) -> str:
+        return self.runtime.host
+
+    @property
+    def run_id(self) -> str:
+        """This run's id (``<shared>/<job>/RUN``)."""
+        return self.runtime.run_id
+
+    @property
+    def shared(self) -> Tier:
+        return self.runtime.shared
+
+    @property
+    def dram(self) -> DramTier:
+        """This run's DRAM tier on this host."""
+        return self.runtime.dram
+
+    @property
+    def local(self) -> PosixTier:
+        """This run's local-disk tier on this host (partner copies, the event log)."""
+        return self.runtime.local
+
+    @property
+    def topology(self) -> Topology:
+        return self.runtime.topology
 
     @property
     def replicating(self) -> bool:
         """Whether checkpoints go through partner hosts (B2 before B3), not straight to shared storage."""
-        return self._host_tier is not None
+        return self.runtime.replicating
 
     def __repr__(self) -> str:
         return f"Checkpointer(shared={self.shared.url!r}, host={self.host!r}, rank={self.rank})"
@@ -320,18 +158,15 @@ class Checkpointer:
             InsufficientMemory: the DRAM tier cannot hold the state.
         """
         started = time.perf_counter()
-        self._check_open()
+        rt = self.runtime
+        rt.check_open()
         layout.check_step(step)
-        self._resolve_undecided(f"save({step}) was called")
-        if self._agree_to_skip(step):
+        rt.resolve_undecided(f"save({step}) was called")
+        if rt.agree_to_skip(step):
             handle = SaveHandle(step, started=started, skipped=True)
-            self._events.emit("skipped", step, in_flight=self._ring.in_flight_steps())
-            log.warning(
-                "step %d skipped: every DRAM slot is in flight (%s)", step, self._ring.in_flight_steps()
-            )
+            rt.events.emit("skipped", step, in_flight=rt.in_flight_steps())
+            log.warning("step %d skipped: every DRAM slot is in flight (%s)", step, rt.in_flight_steps())
             return handle
-        from shoal import dcp as shoal_dcp
-
         writer = shoal_dcp.StorageWriter(self, step, _started=started, _managed=True)
         try:
             with _quiet_no_dist(), _unwrapped_errors():
@@ -342,7 +177,7 @@ class Checkpointer:
                     no_dist=self.world_size == 1,
                 )
         except BaseException as e:
-            self._abort_staging(step, e)
+            rt.abort(step, e)
             if isinstance(e, TypeError | AttributeError | pickle.PicklingError) and not isinstance(
                 e, ShoalError
             ):
@@ -354,242 +189,11 @@ class Checkpointer:
                     ) from e
             raise
         # dcp.save returned: every rank has staged (DCP's last collective saw every write).
-        self._submit(step)
+        rt.submit(step)
         handle = writer.handle
         handle._reach_at_least(Boundary.STAGED)
-        self._watch(handle)
+        rt.watch(handle)
         return handle
-
-    def _watch(self, handle: SaveHandle) -> None:
-        """Remember ``handle`` until it finishes; a B4 drops the leftovers it supersedes."""
-        with self._lock:
-            self._watched.append(handle)
-        self._drop_superseded()
-
-    def _drop_superseded(self, *, consult_shared: bool = False) -> None:
-        """Drop staged leftovers of earlier processes superseded by a committed checkpoint of this run.
-
-        A leftover of step s goes once a step >= s of this run reached B4: one this process
-        committed, or (with ``consult_shared``, at close) the one ``LATEST`` names. A slab
-        whose index is gone (a crash mid-copy) holds nothing restorable and goes then too.
-        """
-        latest = None
-        if consult_shared and self._leftovers:
-            try:
-                pointer = read_pointer(self.shared, layout.LATEST)
-                latest = pointer.step if pointer is not None else None
-            except (ShoalError, OSError) as e:
-                log.debug("LATEST unreadable while dropping leftovers: %s", e)
-        with self._lock:
-            watched, self._watched = self._watched, []
-            for h in watched:
-                if h.done(Boundary.RESTARTABLE):
-                    self._committed.add(h.step)
-                elif h.error is None and not h.skipped:
-                    self._watched.append(h)
-            newest = max([*self._committed, *([latest] if latest is not None else [])], default=None)
-            if newest is None or not self._leftovers:
-                return
-            doomed = [left for left in self._leftovers if left.step is None or left.step <= newest]
-            self._leftovers = [left for left in self._leftovers if left not in doomed]
-        for left in doomed:
-            try:
-                drop_leftover(self.dram, left)
-                log.info("dropped step %s staged by an earlier process (slab %s): step %d is committed",
-                         left.step, left.slot, newest)  # fmt: skip
-            except ShoalError as e:
-                log.warning("could not drop the leftover slab %s: %s", left.slot, e)
-
-    def _agree_to_skip(self, step: int) -> bool:
-        """Collective: refuse an existing step on every rank, and skip on every rank or none."""
-        problem = None
-        try:
-            self._check_new_step(step)
-        except CheckpointExists as e:
-            problem = str(e)
-        busy = self.config.on_busy == "skip" and not self._ring.has_free_slot()
-        votes = [(problem, busy)]
-        if self.world_size > 1:
-            votes = [None] * self.world_size  # type: ignore[list-item]
-            dist.all_gather_object(votes, (problem, busy))
-        problems = [p for p, _ in votes if p]
-        if problems:
-            raise CheckpointExists(problems[0])
-        return any(b for _, b in votes)
-
-    def _check_new_step(self, step: int) -> None:
-        handle = self._pipeline.in_flight().get(step)
-        if step in self._committed or (handle is not None and handle.done(Boundary.RESTARTABLE)):
-            raise CheckpointExists(
-                f"step {step} is already committed at {self.shared.url}/{layout.step_dir(step)}; "
-                "checkpoints are immutable: save under a new step"
-            )
-        if handle is not None or step in self._staging:
-            raise CheckpointExists(f"step {step} is already being checkpointed by this process")
-        if self.rank == 0 and self.shared.exists(layout.commit_path(step)):
-            raise CheckpointExists(
-                f"step {step} already exists at {self.shared.url}/{layout.step_dir(step)}; "
-                "checkpoints are immutable: save under a new step, or delete it first"
-            )
-
-    def _stage(
-        self, step: int, entries: Sequence[StageEntry], *, started: float, gate: Gate | None
-    ) -> tuple[SaveHandle, list[StagedItem] | None]:
-        """Copy ``entries`` into a free DRAM slot (the writer's ``write_data``); None items if skipped.
-
-        ``gate`` None: :meth:`save` drives DCP and submits the job once ``dcp.save`` returned on
-        every rank. With a gate (``dcp.save`` called directly with shoal's writer) the job goes to
-        the pipeline at once and waits there until the rank that runs DCP's ``finish`` opens the
-        gate, or the save is abandoned (see :class:`~shoal.engine.protocol.Gate`).
-        """
-        self._check_open()
-        self._resolve_undecided(f"step {step} was staged")
-        if step in self._pipeline.in_flight() or step in self._staging:
-            raise CheckpointExists(f"step {step} is already being checkpointed by this process")
-        self._events.emit("save_called", step, items=len(entries))
-        slot, waited = self._ring.acquire(step, wait=self.config.on_busy == "wait" or gate is not None)
-        if slot is None:
-            handle = SaveHandle(step, started=started, skipped=True)
-            self._events.emit("skipped", step, in_flight=self._ring.in_flight_steps())
-            return handle, None
-        handle = SaveHandle(step, started=started)
-        try:
-            # The slot's staged index describes the checkpoint about to be overwritten: drop it
-            # first, so that a crash mid-copy never leaves an index over half-new bytes.
-            self.dram.delete(staged_path(slot.name))
-            staged = stage_into(slot, self.dram, entries, rank=self.rank)
-        except BaseException:
-            self._ring.release(slot)
-            raise
-        failpoints.hit("stage.after_copy", rank=self.rank)
-        job = SaveJob(step, slot, handle, self.config.job)
-        job.staged = StagedIndex(
-            self.config.job,
-            step,
-            self.rank,
-            self.world_size,
-            slot.name,
-            self.config.chunk_size,
-            staged,
-            run=self.run_id,
-        )
-        try:
-            job.staged.write(self.dram)  # B1 survives a crash of this process: the slab is described
-        except BaseException:
-            self._ring.release(slot)
-            raise
-        self._warm_other_slots(slot)
-        self._events.emit("staged", step, bytes=sum(s.nbytes for s in staged), wait_seconds=waited)
-        if gate is None:
-            with self._lock:
-                self._staging[step] = job
-        else:
-            job.gate = gate
-            job.dcp_ready.set()  # whatever metadata there is comes with the gate (finish runs first)
-            self._pipeline.submit(job)
-            self._watch(handle)
-        return handle, staged
-
-    def _new_gate(self, sequence: int, step: int) -> Gate:
-        """The gate of the ``sequence``-th save through DCP directly (every rank counts alike)."""
-        return Gate(self._board, f"save/{sequence}/step-{step}")
-
-    def _next_dcp_save(self) -> int:
-        """Count a ``shoal.dcp.StorageWriter`` made on this rank (every rank makes one per save)."""
-        with self._lock:
-            self._dcp_saves += 1
-            return self._dcp_saves
-
-    def _next_dcp_load(self) -> int:
-        """Count a ``shoal.dcp.StorageReader`` made on this rank (every rank makes one per load)."""
-        with self._lock:
-            self._dcp_loads += 1
-            return self._dcp_loads
-
-    def _arrive(self, sequence: int, phase: str, timeout: float) -> None:
-        """Every rank reached ``phase`` of the ``sequence``-th load, before any collective of it.
-
-        Raises :class:`~shoal.errors.RestoreFailed` naming the ranks that did not come within
-        ``timeout`` seconds (their ``dcp.load`` failed before this phase): every rank that came
-        fails alike, and the background group is left as it was.
-        """
-        if self._board is None:
-            return
-        missing = self._board.arrive(f"load/{sequence}/{phase}", self.rank, self.world_size, timeout)
-        if missing:
-            raise RestoreFailed(
-                f"ranks {missing} did not reach {phase} of this load within {timeout:.0f} s (their "
-                "dcp.load failed before it); nothing was read, and the next load can go ahead"
-            )
-
-    def _resolve_undecided(self, why: str) -> None:
-        """Abandon checkpoints staged through ``dcp.save`` whose ``finish`` never came.
-
-        Called by everything a rank does next (save, load, wait, close): by then DCP's save of
-        such a checkpoint has returned on every rank, so a gate still closed means ``finish``
-        did not run (a rank's ``write_data`` or ``finish`` failed and ``dcp.save`` raised). A
-        decision another rank posted first (``finish`` did run) is kept.
-        """
-        for job in self._pipeline.jobs():
-            if not job.gate.decided:
-                job.gate.fail(
-                    f"DCP's save of step {job.step} did not complete on every rank (some rank's "
-                    f"write_data or finish failed, so dcp.save raised there); abandoned when {why} "
-                    f"on rank {self.rank}"
-                )
-
-    def _warm_other_slots(self, slot: Slot) -> None:
-        """Pre-fault the ring's other slabs in the background, sized like the one just used."""
-        assert slot.slab is not None
-        size = slot.slab.capacity
-        if self._warmer is not None and self._warmer.is_alive():
-            return
-        if self._ring.needs_warming(size):
-            self._warmer = threading.Thread(
-                target=self._ring.warm, args=(size,), name="shoal-warm", daemon=True
-            )
-            self._warmer.start()
-
-    def _finish(self, step: int, metadata: Metadata, *, gated: bool) -> None:
-        """DCP's ``finish`` (on DCP's coordinator): keep the encoded metadata for the manifest.
-
-        ``gated`` (``dcp.save`` called directly): open the checkpoint's gate, so that every
-        rank's pipeline takes it on; if this fails, the gate fails and every rank skips it.
-        """
-        with self._lock:
-            job = self._staging.get(step) or self._pipeline.job(step)
-        if job is None:
-            return  # skipped
-        try:
-            job.dcp = encode_metadata(metadata)
-            if job.staged is not None:  # the checkpoint is restorable from DRAM alone from here on
-                job.staged.dcp = job.dcp
-                job.staged.write(self.dram)
-        except BaseException as e:
-            job.aborted = f"{type(e).__name__}: {e}"
-            if gated:
-                job.gate.fail(f"DCP's finish of step {step} failed on rank {self.rank}: {job.aborted}")
-            raise
-        finally:
-            job.dcp_ready.set()
-        if gated:
-            job.gate.open()
-
-    def _submit(self, step: int) -> None:
-        """Hand the staged checkpoint to the pipeline; non-coordinators have no DCP metadata to wait for."""
-        with self._lock:
-            job = self._staging.pop(step, None)
-        if job is None:
-            return  # skipped, or already submitted
-        job.dcp_ready.set()  # DCP's finish ran (on the coordinator) before dcp.save returned
-        self._pipeline.submit(job)
-
-    def _abort_staging(self, step: int, error: BaseException) -> None:
-        with self._lock:
-            job = self._staging.pop(step, None)
-        if job is not None:
-            self._ring.release(job.slot)
-            job.handle._fail(Boundary.STAGED, error)
 
     # -- load ----------------------------------------------------------------
     def load(self, state_dict: Mapping[str, Any], step: int | None = None, *, heal: bool = True) -> int:
@@ -615,13 +219,11 @@ class Checkpointer:
             ChecksumMismatch: every copy of a chunk is corrupt (names item, packs, offsets).
             RestoreFailed: a chunk could not be read from any copy (names every place tried).
         """
-        self._check_open()
-        self._pipeline.flush()
-        from shoal import dcp as shoal_dcp
-
+        rt = self.runtime
+        rt.check_open()
         t0 = time.perf_counter()
         # Chosen here, not inside dcp.load, so a missing checkpoint raises CheckpointNotFound as itself.
-        restore = self._begin_restore(step)
+        restore = rt.begin_restore(step)
         reader = shoal_dcp.StorageReader(self, _restore=restore)
         target = state_dict if isinstance(state_dict, dict) else dict(state_dict)
         with _quiet_no_dist(), _unwrapped_errors():
@@ -629,7 +231,7 @@ class Checkpointer:
         report = restore.report
         assert reader.step is not None and report is not None
         self.last_load = report
-        self._events.emit(
+        rt.events.emit(
             "loaded",
             reader.step,
             seconds=time.perf_counter() - t0,
@@ -650,29 +252,12 @@ class Checkpointer:
             log.warning("step %d was loaded in part: not healing it (its copies stay as they are)", step)
             return None
         log.info("healing step %d (restored from %s): saving it again to reach B2..B4", step, report.origin)
-        self._events.emit("heal", step, origin=report.origin)
+        self.runtime.events.emit("heal", step, origin=report.origin)
         return self.save(step, state)
-
-    def _begin_restore(self, step: int | None) -> Restore:
-        """Collective: the inventory and the choice of checkpoint; the session that reads it.
-
-        Checkpoints in flight are finished first: the restore's collectives share the
-        background group with the pipeline's, and a load must see what this job saved.
-        """
-        self._check_open()
-        if step is not None:
-            layout.check_step(step)
-        self._resolve_undecided("a load began")
-        self._pipeline.flush()
-        restore = Restore(self._restore_context)
-        restore.begin(step)
-        # This process continues the history it loads: its writer claim inherits the job's.
-        self._pipeline.context.resumed = True
-        return restore
 
     def _resolve_manifest(self, step: int | None) -> Manifest:
         """The shared tier's manifest of ``step`` (None: LATEST's), checked against its commit record."""
-        return resolve_manifest(self.shared, step)
+        return self.runtime.resolve_manifest(step)
 
     def latest(self, boundary: Boundary = Boundary.RESTARTABLE) -> int | None:
         """The newest step known to have reached ``boundary``, or None.
@@ -680,68 +265,23 @@ class Checkpointer:
         Counts this process's in-flight checkpoints and what the shared tier proves
         (a manifest for B3, a commit record for B4).
         """
-        boundary = Boundary(boundary)
-        steps = [s for s, h in self._pipeline.in_flight().items() if h.done(boundary)]
-        if boundary == Boundary.RESTARTABLE:
-            ptr = read_pointer(self.shared, layout.LATEST)
-            steps += [ptr.step] if ptr else []
-        steps += [
-            info.step
-            for info in list_checkpoints(self.shared)
-            if info.boundary is not None and info.boundary >= boundary
-        ]
-        return max(steps, default=None)
+        return self.runtime.latest(boundary)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every checkpoint this process staged is finished (or failed); False on timeout."""
-        self._resolve_undecided("wait() was called")
-        return self._pipeline.flush(timeout)
+        return self.runtime.wait(timeout)
 
     # -- close -----------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
         """Finish in-flight checkpoints (up to ``timeout``, default ``Config.close_timeout``), then stop."""
-        if self._closed:
-            return
-        self._closed = True
         atexit.unregister(self._at_exit)
-        limit = self.config.close_timeout if timeout is None else timeout
-        self._resolve_undecided("the Checkpointer was closed")
-        if not self._pipeline.close(limit):
-            log.warning(
-                "close(): checkpoints %s still in flight after %.0f s",
-                sorted(self._pipeline.in_flight()),
-                limit,
-            )
-            return
-        if self._warmer is not None:
-            self._warmer.join()
-        # Every checkpoint is finished: this process's staged copies are redundant, give /dev/shm
-        # back. Leftovers of earlier processes stay unless a newer checkpoint committed.
-        self._drop_superseded(consult_shared=True)
-        for slot in self._ring.slots:  # the index first: never an index over a slab that is gone
-            self.dram.delete(staged_path(slot.name))
-        self._ring.close(release_memory=True)
-        for tier in (self.shared, self.dram):
-            tier.close()
-        self._host_lock.release()
-
-    def __del__(self) -> None:
-        lock = getattr(self, "_host_lock", None)
-        if lock is not None and getattr(self, "_closed", True):
-            lock.release()
+        self.runtime.close(timeout)
 
     def _at_exit(self) -> None:
         try:
             self.close()
         except Exception as e:  # pragma: no cover - interpreter shutdown
             log.warning("shoal: close at exit failed: %s", e)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StateError(
-                f"this Checkpointer (job {self.config.job!r}, rank {self.rank}) is closed; "
-                "create a new one to save or load"
-            )
 
 
 def _unserialisable(state: Mapping[str, Any], prefix: str = "") -> tuple[str, str] | None:

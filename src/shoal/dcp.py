@@ -28,7 +28,7 @@ import pickle
 import re
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
@@ -49,14 +49,20 @@ from torch.futures import Future
 from shoal.boundary import Boundary
 from shoal.engine.handle import SaveHandle
 from shoal.engine.restore import LoadReport, Restore
+from shoal.engine.runtime import Runtime
 from shoal.engine.stager import StageEntry
 from shoal.errors import ConfigError, FormatError, StateError, UnsupportedValue
 from shoal.format.crosscheck import check_metadata, item_dtype, item_key
 from shoal.format.dcp_codec import decode_metadata
 from shoal.format.manifest import ItemRecord, Manifest
 
-if TYPE_CHECKING:
-    from shoal.checkpointer import Checkpointer
+
+class HasRuntime(Protocol):
+    """What the writer and reader are given: a ``shoal.Checkpointer`` (anything with its runtime)."""
+
+    @property
+    def runtime(self) -> Runtime: ...
+
 
 __all__ = ["SavePlanner", "StorageReader", "StorageWriter", "item_key"]
 
@@ -120,7 +126,7 @@ class StorageWriter(_DcpStorageWriter):
     """
 
     def __init__(
-        self, checkpointer: Checkpointer, step: int, *, _started: float | None = None, _managed: bool = False
+        self, checkpointer: HasRuntime, step: int, *, _started: float | None = None, _managed: bool = False
     ) -> None:
         super().__init__()
         self.checkpointer = checkpointer
@@ -131,7 +137,7 @@ class StorageWriter(_DcpStorageWriter):
         self._staged: Any = None
         self.is_coordinator = True
         # Every rank makes one writer per save, so the count names the save alike on every rank.
-        self._sequence = None if _managed else checkpointer._next_dcp_save()
+        self._sequence = None if _managed else checkpointer.runtime.next_save_sequence()
 
     @property
     def handle(self) -> SaveHandle:
@@ -152,7 +158,7 @@ class StorageWriter(_DcpStorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # Tell shoal's SavePlanner which host this rank's plan comes from.
-        return dataclasses.replace(plan, storage_data=self.checkpointer.host)
+        return dataclasses.replace(plan, storage_data=self.checkpointer.runtime.host)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return plans
@@ -174,8 +180,10 @@ class StorageWriter(_DcpStorageWriter):
             entries.append(StageEntry(key, payload))
         gate = None
         if self._sequence is not None:  # dcp.save called directly: the pipeline waits for finish
-            gate = self.checkpointer._new_gate(self._sequence, self.step)
-        self._handle, staged = self.checkpointer._stage(self.step, entries, started=self._started, gate=gate)
+            gate = self.checkpointer.runtime.new_gate(self._sequence, self.step)
+        self._handle, staged = self.checkpointer.runtime.stage(
+            self.step, entries, started=self._started, gate=gate
+        )
         self._staged = staged
         sizes = {s.key: s.nbytes for s in staged} if staged is not None else {}
         for item, entry in zip(plan.items, entries, strict=True):
@@ -188,7 +196,7 @@ class StorageWriter(_DcpStorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
-        self.checkpointer._finish(self.step, metadata, gated=not self._managed)
+        self.checkpointer.runtime.attach_metadata(self.step, metadata, gated=not self._managed)
         if not self._managed:
             # every rank's write results reached finish(): every rank has staged
             self.handle._reach_at_least(Boundary.STAGED)
@@ -231,7 +239,7 @@ class StorageReader(_DcpStorageReader):
     """
 
     def __init__(
-        self, checkpointer: Checkpointer, step: int | None = None, *, _restore: Restore | None = None
+        self, checkpointer: HasRuntime, step: int | None = None, *, _restore: Restore | None = None
     ) -> None:
         super().__init__()
         self.checkpointer = checkpointer
@@ -243,7 +251,7 @@ class StorageReader(_DcpStorageReader):
         self._checked: Metadata | None = None
         self._error: Exception | None = None
         # Every rank makes one reader per load, so the count names the load alike on every rank.
-        self._sequence = checkpointer._next_dcp_load()
+        self._sequence = checkpointer.runtime.next_load_sequence()
         if manifest is not None:  # chosen already (Checkpointer.load): refuse it before DCP starts
             self._checked = _checked_metadata(manifest)
 
@@ -262,9 +270,9 @@ class StorageReader(_DcpStorageReader):
         if self._restore is None:
             # The choice is collective: enter it only once every rank is here (a rank whose
             # read_metadata failed before ours never comes; the others then fail alike).
-            limit = self.checkpointer.config.collective_timeout
-            self.checkpointer._arrive(self._sequence, "read_metadata", limit)
-            self._restore = self.checkpointer._begin_restore(self._requested)
+            limit = self.checkpointer.runtime.config.collective_timeout
+            self.checkpointer.runtime.arrive(self._sequence, "read_metadata", limit)
+            self._restore = self.checkpointer.runtime.begin_restore(self._requested)
         assert self._restore.manifest is not None
         return self._restore.manifest
 
@@ -317,14 +325,14 @@ class StorageReader(_DcpStorageReader):
         dests: dict[str, memoryview] = {}
         finishers: list[Any] = []
         if problem is None:
-            allow_pickle = self.checkpointer.config.allow_pickle
+            allow_pickle = self.checkpointer.runtime.config.allow_pickle
             for key, items in groups.items():
                 rec = manifest.items[key]
                 finishers.append(_prepare_item(rec, manifest.step, items, planner, dests, allow_pickle))
         # Collective: every rank takes part, even with nothing to read or a bad plan; entered only
         # once every rank is here (DCP's plan scatter just synchronised them: a short wait).
-        limit = min(60.0, self.checkpointer.config.collective_timeout)
-        self.checkpointer._arrive(self._sequence, "read_data", limit)
+        limit = min(60.0, self.checkpointer.runtime.config.collective_timeout)
+        self.checkpointer.runtime.arrive(self._sequence, "read_data", limit)
         self.report = self._restore.fetch(dests, problem=problem)
         for finish in finishers:
             finish()
