@@ -144,3 +144,12 @@ def test_a_chunk_bad_on_its_own_host_and_on_shared_storage_is_repaired_from_the_
     for r in results:
         assert r["repaired"] == 1  # and every rank compared its tensors bit for bit
         assert r["by_tier"].get("local", 0) > 0  # the good copy: h1's partner copy, sent over the fabric
+
+
+def test_ranks_asking_for_different_steps_all_get_the_same_error_naming_them(tmp_path):
+    from shoal.testing import scenarios
+
+    results = run_ranks(scenarios.mismatched_load_steps, hosts=["h0", "h1"], kwargs={"root": str(tmp_path)})
+    assert results[0] == results[1]
+    assert results[0].startswith("CheckpointNotFound") and "step 1 on ranks [0]" in results[0]
+    assert "step 2 on ranks [1]" in results[0]

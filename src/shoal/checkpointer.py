@@ -29,6 +29,7 @@ from shoal import dcp as shoal_dcp
 from shoal.boundary import Boundary
 from shoal.config import Config
 from shoal.engine.handle import SaveHandle
+from shoal.engine.path import PathPolicy
 from shoal.engine.restore import LoadReport, sources_in
 from shoal.engine.runtime import Runtime
 from shoal.errors import ShoalError, UnsupportedValue
@@ -76,10 +77,14 @@ class Checkpointer:
     collective too: every rank calls them with the same step, in the same order.
     Use it as a context manager, or call :meth:`close`; at interpreter exit,
     in-flight checkpoints are finished (up to ``Config.close_timeout`` seconds).
+
+    ``path_policy`` decides each checkpoint's durability path (``partner`` or ``direct``) on
+    the coordinator (:class:`shoal.engine.path.PathPolicy`); by default the rule of
+    ``Config.path``. Every rank passes one (only the coordinator's is asked).
     """
 
-    def __init__(self, config: Config) -> None:
-        self.runtime = Runtime(config)
+    def __init__(self, config: Config, *, path_policy: PathPolicy | None = None) -> None:
+        self.runtime = Runtime(config, path_policy=path_policy)
         """The engine this Checkpointer drives (shared with ``shoal.dcp``'s writer and reader)."""
         self.last_load: LoadReport | None = None
         """What the last :meth:`load` used: step, metadata origin, bytes per tier."""

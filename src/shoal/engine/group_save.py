@@ -50,6 +50,7 @@ from shoal._version import __version__
 from shoal.boundary import Boundary
 from shoal.engine.catalog import ChunkCatalog, pack_problems, require_packs
 from shoal.engine.fence import WriterFence, after_failed_commit
+from shoal.engine.path import PARTNER, PathContext, PathDecision, PathRecord, decide_path
 from shoal.engine.protocol import (
     GroupFailure,
     PipelineContext,
@@ -99,6 +100,8 @@ class GroupSave:
         self.items = {item.key: item for item in job.slot.items}
         self.local_error: Exception | None = None
         self.dcp: Mapping[str, Any] | None = None
+        self.decision: PathDecision | None = None
+        """This checkpoint's path (from C2)."""
         """The coordinator's copy of the checkpoint's DCP metadata (from the C1 reports)."""
         self.coordination_seconds = 0.0
         self.collectives = 0
@@ -126,8 +129,13 @@ class GroupSave:
             h._reach_at_least(Boundary.STAGED)  # every rank has staged and reported
             self._emit_boundary(Boundary.STAGED)
             target = Boundary.REPLICATED if ctx.replicate else Boundary.PERSISTED
-            plan = self._agree_on_plan(reports)  # C2
-            if ctx.replicate:
+            plan, decision = self._agree_on_plan(reports)  # C2
+            self.decision = decision
+            h._set_path(decision.path, decision.reason)
+            ctx.events.emit("path", self.step, path=decision.path, reason=decision.reason)
+            replicate = decision.path == PARTNER
+            target = Boundary.REPLICATED if replicate else Boundary.PERSISTED
+            if replicate:
                 self._replicate_phase(plan, reports)  # C3..C5
                 self._reach(Boundary.REPLICATED)
                 failpoints.hit("pipeline.after_replicate", rank=ctx.rank)
@@ -156,6 +164,23 @@ class GroupSave:
             log.error("step %d failed before %s: %s: %s", self.step, target.label, type(e).__name__, e)
             self.ctx.events.emit("failed", self.step, boundary=target.name, error=f"{type(e).__name__}: {e}")
             h._fail(target, e)
+        finally:
+            self._record_path()
+
+    def _record_path(self) -> None:
+        """Coordinator: what this checkpoint showed, for the path policy's next decisions."""
+        if not self.ctx.fabric.is_coordinator or self.decision is None:
+            return
+        h = self.job.handle
+        self.ctx.path_history.add(
+            PathRecord(
+                self.step,
+                self.decision.path,
+                sum(s.nbytes for s in self.job.slot.items),
+                {b.name: t for b, t in h.times.items()},
+                failed=h.error is not None,
+            )
+        )
 
     def _emit_coordination(self) -> None:
         self.ctx.events.emit(
@@ -222,9 +247,9 @@ class GroupSave:
         staged.write(self.ctx.dram)
 
     # -- C2: plan ----------------------------------------------------------------------------
-    def _agree_on_plan(self, reports: list[RankReport] | None) -> GroupPlan:
+    def _agree_on_plan(self, reports: list[RankReport] | None) -> tuple[GroupPlan, PathDecision]:
         ctx = self.ctx
-        message: GroupPlan | str | None = None
+        message: tuple[GroupPlan, PathDecision] | str | None = None
         if ctx.fabric.is_coordinator:
             assert reports is not None
             errors = [r.error for r in reports if r.error]
@@ -232,11 +257,25 @@ class GroupSave:
         message = self._collective(ctx.fabric.broadcast, message)
         if isinstance(message, str):
             raise GroupFailure(message)
-        assert isinstance(message, GroupPlan)
+        assert isinstance(message, tuple)
         return message
 
-    def _plan(self, reports: list[RankReport]) -> GroupPlan:
+    def _decide_path(self, reports: list[RankReport]) -> PathDecision:
+        """Coordinator: this checkpoint's path, from the policy (DESIGN.md section 4, step 3)."""
         ctx = self.ctx
+        context = PathContext(
+            step=self.step,
+            world_size=ctx.fabric.world_size,
+            hosts=tuple(ctx.topology.hosts),
+            logical_bytes=sum(i.nbytes for r in reports for i in r.items),
+            can_replicate=ctx.replicate,
+            recent=ctx.path_history.recent(),
+        )
+        return decide_path(ctx.path_policy, context)
+
+    def _plan(self, reports: list[RankReport]) -> tuple[GroupPlan, PathDecision]:
+        ctx = self.ctx
+        decision = self._decide_path(reports)
         if ctx.shared_catalog is None:
             ctx.shared_catalog = ChunkCatalog.scan(ctx.shared)
         if not self._reused_packs_present(reports, ctx.shared_catalog):
@@ -261,7 +300,12 @@ class GroupSave:
         t0 = time.perf_counter()
         hits = ctx.plan_cache.hits
         plan = ctx.plan_cache.lookup_or_plan(
-            self.step, ranks, ctx.shared_catalog.locations, ctx.topology, held=held, replicate=ctx.replicate
+            self.step,
+            ranks,
+            ctx.shared_catalog.locations,
+            ctx.topology,
+            held=held,
+            replicate=decision.path == PARTNER,
         )
         ctx.events.emit(
             "planned",
@@ -272,7 +316,7 @@ class GroupSave:
             reused_bytes=plan.reused_bytes,
             plan_reused=ctx.plan_cache.hits > hits,
         )
-        return plan
+        return plan, decision
 
     def _reused_packs_present(self, reports: list[RankReport], catalog: ChunkCatalog) -> bool:
         """Whether every pack this checkpoint would reuse is still on the shared tier (one check per pack)."""
@@ -583,5 +627,6 @@ class GroupSave:
             shoal_version=__version__,
             partial=partial,
             run=self.ctx.run_id,
+            path=None if self.decision is None else self.decision.path,
             writer=None if self.ctx.writer is None else self.ctx.writer.writer_id,
         )

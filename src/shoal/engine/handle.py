@@ -27,12 +27,19 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._failed_at: Boundary | None = None
         self._finished = skipped
+        self.path: str | None = None
+        """``"partner"`` or ``"direct"``: the durability path the coordinator chose for it."""
+        self.path_reason: str | None = None
+        """Why that path (the policy's own words)."""
 
     def __repr__(self) -> str:
         state = "skipped" if self.skipped else (self._reached.name if self._reached else "pending")
         if self._error is not None:
             state += f", failed before {self._failed_at.name if self._failed_at else '?'}"
         return f"SaveHandle(step={self.step}, {state})"
+
+    def _set_path(self, path: str, reason: str) -> None:
+        self.path, self.path_reason = path, reason
 
     # -- read side ---------------------------------------------------------
     @property

@@ -15,6 +15,7 @@ from typing import Any
 from shoal.engine.catalog import ChunkCatalog
 from shoal.engine.events import EventLog
 from shoal.engine.handle import SaveHandle
+from shoal.engine.path import PathHistory
 from shoal.engine.staged import StagedIndex
 from shoal.engine.stager import Slot
 from shoal.errors import ShoalError
@@ -171,6 +172,12 @@ class PipelineContext:
     scratch: bytearray = field(default_factory=bytearray)
     run_id: str | None = None
     """This run's id (``<shared>/<job>/RUN``), recorded in every manifest it writes."""
+    path_policy: Any = None
+    """The coordinator's :class:`~shoal.engine.path.PathPolicy` (None: the rule of ``Config.path``,
+    set by the runtime). ``replicate`` says whether partner copies are possible at all; the
+    policy decides, checkpoint by checkpoint, whether this one makes them."""
+    path_history: PathHistory = field(default_factory=PathHistory)
+    """The coordinator's records of recent checkpoints (the policy's evidence)."""
     resumed: bool = False
     """Whether this process loaded one of the job's checkpoints before its first commit (a
     restart): its writer claim then continues the previous writer's history."""

@@ -130,11 +130,19 @@ class Restore:
                 inv = host_inventory(ctx.host, ctx.host_tiers, ctx.dram, run_id=ctx.run_id)
             except Exception as e:
                 inv = f"rank {self.rank} ({ctx.host}): inventory failed: {type(e).__name__}: {e}"
-        invs = ctx.fabric.gather(inv)
+        gathered = ctx.fabric.gather((inv, step))
         message: tuple[Manifest, Choice] | Exception | None = None
         if ctx.fabric.is_coordinator:
-            assert invs is not None
-            message = self._guarded(lambda: self._choose(invs, step))
+            assert gathered is not None
+            invs = [i for i, _ in gathered]
+            asked = {r: s for r, (_, s) in enumerate(gathered)}
+            if len(set(asked.values())) > 1:
+                message = CheckpointNotFound(
+                    f"the ranks asked to load different steps ({_steps_by_rank(asked)}); a load is "
+                    "collective: every rank must ask for the same step (or all for the newest, None)"
+                )
+            else:
+                message = self._guarded(lambda: self._choose(invs, step))
         message = ctx.fabric.broadcast(message)
         if isinstance(message, Exception):
             raise message
@@ -483,3 +491,14 @@ def sources_in(report: LoadReport) -> str:
 
 
 __all__ = ["LoadReport", "Restore", "RestoreContext", "RestoreFailed", "describe_sources", "sources_in"]
+
+
+def _steps_by_rank(asked: dict[int, int | None]) -> str:
+    """``"step 3 on ranks [2, 3], step 4 on ranks [0, 1]"``, for the message."""
+    by_step: dict[int | None, list[int]] = {}
+    for rank, step in asked.items():
+        by_step.setdefault(step, []).append(rank)
+    return ", ".join(
+        f"{'the newest' if s is None else f'step {s}'} on ranks {ranks}"
+        for s, ranks in sorted(by_step.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+    )

@@ -43,6 +43,7 @@ from shoal.engine.hoststate import (
     same_run_candidates,
     write_run_file,
 )
+from shoal.engine.path import PathPolicy, RulePolicy
 from shoal.engine.pipeline import Pipeline
 from shoal.engine.protocol import Gate
 from shoal.engine.restore import Restore, RestoreContext
@@ -63,7 +64,7 @@ from shoal.format.chunking import Hasher
 from shoal.format.dcp_codec import encode_metadata
 from shoal.format.manifest import Manifest
 from shoal.group.fabric import Board, Fabric
-from shoal.group.topology import build_topology
+from shoal.group.topology import Topology, build_topology
 from shoal.tiers import open_tier
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
@@ -81,7 +82,7 @@ class Runtime:
     work and gives everything back.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, path_policy: PathPolicy | None = None) -> None:
         if not isinstance(config, Config):
             raise ConfigError(f"shoal needs a shoal.Config, got {type(config).__name__}")
         distributed = dist.is_available() and dist.is_initialized()
@@ -90,6 +91,10 @@ class Runtime:
         cfg = config.resolved(self.rank)
         assert cfg.host_id is not None and cfg.local is not None and cfg.dram is not None
         self.host = cfg.host_id
+        if path_policy is not None and not isinstance(path_policy, PathPolicy):
+            raise ConfigError(f"path_policy must have a decide(context) method, got {path_policy!r}")
+        self.path_policy: PathPolicy = path_policy or RulePolicy(cfg.path)
+        """Decides each checkpoint's path on the coordinator (default: the rule of ``Config.path``)."""
         self.closed = True  # until construction completes: close() then has nothing to do
         self._host_lock = HostLock(cfg.dram, cfg.job, self.host, self.rank)
         rank_hosts, domains = self._claim_host(cfg)
@@ -111,10 +116,11 @@ class Runtime:
         """Open this run's host tiers, the pipeline and the restore (after the run is agreed on)."""
         assert cfg.local is not None and cfg.dram is not None
         run = self.run_id
-        replicate = cfg.path == "partner" or (cfg.path == "auto" and len(set(rank_hosts)) > 1)
-        self.topology = build_topology(
-            rank_hosts, scheme=cfg.partner_scheme, domains=domains, replicate=replicate
-        )
+        self.topology = _topology(cfg, rank_hosts, domains)
+        # Partner copies are possible in every job of several hosts (with partners in other failure
+        # domains); whether a checkpoint makes them is the path policy's choice, checkpoint by
+        # checkpoint. Host tiers for them are open wherever they are possible.
+        replicate = bool(self.topology.partners)
         self.dram = DramTier(run_dir(cfg.dram, cfg.job, self.host, run), base=cfg.dram)
         self.local = local = PosixTier(run_dir(cfg.local, cfg.job, self.host, run), base=cfg.local)
         """This run's local-disk tier on this host (partner copies, the event log)."""
@@ -154,6 +160,7 @@ class Runtime:
             dcp_timeout=cfg.collective_timeout,
             dram=self.dram,
             run_id=run,
+            path_policy=self.path_policy,
         )
         if host_tier is not None and context.is_host_leader:
             context.host_catalog = ChunkCatalog.scan(host_tier, committed_only=False)
@@ -575,3 +582,20 @@ class Runtime:
         lock = getattr(self, "_host_lock", None)
         if lock is not None and getattr(self, "closed", True):
             lock.release()
+
+
+def _topology(cfg: Config, rank_hosts: list[str], domains: dict[str, str]) -> Topology:
+    """The job's topology, with partners wherever the job can have them.
+
+    ``path="partner"`` requires them (a one-host job, or hosts all in one failure domain, is a
+    :class:`~shoal.errors.ConfigError` naming why); otherwise a job without possible partners
+    simply takes the direct path.
+    """
+    if cfg.path == "partner":
+        return build_topology(rank_hosts, scheme=cfg.partner_scheme, domains=domains, replicate=True)
+    if len(set(rank_hosts)) > 1:
+        try:
+            return build_topology(rank_hosts, scheme=cfg.partner_scheme, domains=domains, replicate=True)
+        except ConfigError as e:
+            log.info("no partner copies possible in this job (%s): checkpoints take the direct path", e)
+    return build_topology(rank_hosts, scheme=cfg.partner_scheme, domains=domains, replicate=False)

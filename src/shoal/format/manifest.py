@@ -113,6 +113,8 @@ class Manifest:
     """The id of the run that wrote it (``<shared>/<job>/RUN``; DESIGN.md section 11)."""
     writer: str | None = None
     """The id of the writer that committed it (``<shared>/<job>/WRITER``)."""
+    path: str | None = None
+    """The durability path the checkpoint took: ``"partner"`` or ``"direct"``."""
 
     def encode(self) -> bytes:
         """JSON bytes of this manifest (format ``shoal/1``)."""
@@ -155,6 +157,8 @@ class Manifest:
             doc["run"] = self.run
         if self.writer is not None:
             doc["writer"] = self.writer
+        if self.path is not None:
+            doc["path"] = self.path
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     def chunk_spans(self, key: str) -> list[tuple[str, int, int]]:
@@ -346,6 +350,9 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     version = doc.get("shoal_version", "0")
     run = doc.get("run")
     writer = doc.get("writer")
+    path = doc.get("path")
+    if path is not None and path not in ("partner", "direct"):
+        raise r.fail("path", f"expected 'partner' or 'direct', got {str(path)[:40]!r}")
     return Manifest(
         job=job,
         step=step,
@@ -361,6 +368,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         partial=partial,
         run=None if run is None else r.string(run, "run"),
         writer=None if writer is None else r.string(writer, "writer"),
+        path=path,
     )
 
 

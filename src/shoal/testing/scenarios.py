@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from shoal import failpoints
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.config import Config
+from shoal.engine.store import list_checkpoints
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.pack import decode_index
@@ -329,3 +331,76 @@ def held_replicas_are_reused(rank: int, world: int, *, root: str) -> dict[str, A
     out["host"] = host
     out["located"] = len(manifest["locations"])
     return out
+
+
+def _state_at(rank: int, step: int) -> dict[str, Any]:
+    """``dp_state`` trained to ``step``: every tensor moved by ``step``."""
+    state = dp_state(rank)
+    for group in (state["model"], state["optim"]):
+        for t in group.values():
+            t.add_(step)
+    state["step"] = step
+    return state
+
+
+class AlternatingPolicy:
+    """A path policy for tests: odd steps through the partner, even steps straight to shared storage."""
+
+    def decide(self, context: Any) -> Any:
+        from shoal.engine.path import DIRECT, PARTNER, PathDecision
+
+        if context.step % 2:
+            return PathDecision(PARTNER, f"step {context.step} is odd")
+        return PathDecision(DIRECT, f"step {context.step} is even")
+
+
+def alternating_paths(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """Six checkpoints on alternating paths (keep_last=3): boundaries, copies, restore of each."""
+    cfg = group_config(root, keep_last=3)
+    out: dict[str, Any] = {"steps": {}}
+    with Checkpointer(cfg, path_policy=AlternatingPolicy()) as ckpt:
+        for step in range(1, 7):
+            state = _state_at(rank, step)
+            handle = ckpt.save(step, state)
+            handle.wait(Boundary.RESTARTABLE, timeout=120)
+            times = handle.times
+            manifest = json.loads((Path(ckpt.shared.url) / layout.manifest_path(step)).read_bytes())
+            out["steps"][step] = {
+                "path": handle.path,
+                "reason": handle.path_reason,
+                "manifest_path": manifest.get("path"),
+                "b2_before_b3": times[Boundary.REPLICATED] < times[Boundary.PERSISTED],
+                "b2_with_b3": times[Boundary.REPLICATED] == times[Boundary.PERSISTED],
+                "host_copy": ckpt.local.exists(layout.manifest_path(step))
+                or ckpt.dram.exists(layout.manifest_path(step)),
+            }
+        ckpt.wait()
+        if world > 1:
+            torch.distributed.barrier()  # the coordinator's retention ran: every rank lists the same
+        out["committed"] = sorted(
+            i.step for i in list_checkpoints(ckpt.shared) if i.boundary == Boundary.RESTARTABLE
+        )
+        for step in out["committed"]:
+            expected = _state_at(rank, step)
+            target = zeros_like_state(expected)
+            loaded = ckpt.load(target, step=step)
+            assert loaded == step, (loaded, step)
+            assert_state_equal(target, expected)
+    return out
+
+
+def mismatched_load_steps(rank: int, world: int, *, root: str) -> str:
+    """Two checkpoints; then each rank asks for another step: every rank gets the same error."""
+    with Checkpointer(group_config(root)) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, _state_at(rank, step)).wait(Boundary.RESTARTABLE, timeout=120)
+        try:
+            ckpt.load(zeros_like_state(_state_at(rank, 0)), step=1 + rank % 2)
+        except Exception as e:
+            message = f"{type(e).__name__}: {e}"
+        else:
+            message = "loaded"
+        target = zeros_like_state(_state_at(rank, 0))  # and the next, agreed load works
+        assert ckpt.load(target, step=2) == 2
+        assert_state_equal(target, _state_at(rank, 2))
+        return message

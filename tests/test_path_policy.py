@@ -1,0 +1,68 @@
+"""The durability path per checkpoint: a policy on the coordinator decides, checkpoint by checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+import shoal
+from shoal.engine.path import DIRECT, PARTNER, PathContext, PathDecision, RulePolicy, decide_path
+from shoal.testing import scenarios
+from shoal.testing.checkpoints import make_config
+from shoal.testing.multiproc import run_ranks
+
+HOSTS = ["h0", "h0", "h1", "h1"]
+pytestmark = pytest.mark.timeout(300)
+
+
+def _context(*, hosts: tuple[str, ...] = ("a", "b"), can: bool = True) -> PathContext:
+    return PathContext(step=1, world_size=4, hosts=hosts, logical_bytes=1 << 20, can_replicate=can)
+
+
+def test_the_default_rule_is_config_path():
+    assert RulePolicy("auto").decide(_context()).path == PARTNER
+    assert RulePolicy("auto").decide(_context(hosts=("a",), can=False)).path == DIRECT
+    assert RulePolicy("direct").decide(_context()).path == DIRECT
+    assert RulePolicy("partner").decide(_context()).reason == "Config.path='partner'"
+
+
+def test_a_partner_choice_where_none_is_possible_becomes_direct_saying_why():
+    class Always:
+        def decide(self, context: PathContext) -> PathDecision:
+            return PathDecision(PARTNER, "always")
+
+    decision = decide_path(Always(), _context(can=False))
+    assert decision.path == DIRECT and "no partner host is possible" in decision.reason
+
+
+def test_a_policy_answering_nonsense_is_refused_naming_it():
+    with pytest.raises(shoal.ConfigError, match="paths are"):
+        PathDecision("sideways", "?")
+
+    class Bad:
+        def decide(self, context: PathContext) -> str:
+            return "partner"
+
+    with pytest.raises(shoal.ConfigError, match="not a PathDecision"):
+        decide_path(Bad(), _context())  # type: ignore[arg-type]
+
+
+def test_one_host_takes_the_direct_path_and_says_so(tmp_path, dram_root):
+    with shoal.Checkpointer(make_config(tmp_path, dram_root)) as ckpt:
+        handle = ckpt.save(1, {"w": __import__("torch").ones(8)})
+        handle.wait(shoal.Boundary.RESTARTABLE, timeout=60)
+        assert handle.path == DIRECT and "one host" in (handle.path_reason or "")
+        assert ckpt._resolve_manifest(1).path == DIRECT
+
+
+def test_four_ranks_alternating_partner_and_direct_checkpoint_by_checkpoint(tmp_path):
+    results = run_ranks(scenarios.alternating_paths, hosts=HOSTS, kwargs={"root": str(tmp_path)}, timeout=280)
+    for r in results:
+        for step, s in r["steps"].items():
+            expected = PARTNER if int(step) % 2 else DIRECT
+            assert s["path"] == expected and s["manifest_path"] == expected, (step, s)
+            if expected == PARTNER:  # B2 on the partner host first, then the drain
+                assert s["b2_before_b3"] and s["host_copy"], (step, s)
+            else:  # straight to shared storage: B2 with B3, no partner copy
+                assert s["b2_with_b3"] and not s["host_copy"], (step, s)
+        # retention across the mix kept the newest three, and each of them loaded bit for bit
+        assert r["committed"] == [4, 5, 6]
