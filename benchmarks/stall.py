@@ -5,8 +5,16 @@ For a state of ``--gib`` GiB (float32 tensors of ``--tensor-mib`` MiB each) it m
   * shoal: ``Checkpointer.save`` until it returns (B1), on the 2nd and later saves (slabs reused),
     plus the time each checkpoint took to reach B4 (committed on the shared tier) in the background,
   * dcp: ``torch.distributed.checkpoint.save`` with ``FileSystemWriter`` (synchronous: its stall is
-    the whole save), to the same disk.
-Prints a Markdown table with ratios. Usage: ``python benchmarks/stall.py --gib 1 --repeats 3``.
+    the whole save), to the same disk,
+  * dcp async: ``torch.distributed.checkpoint.async_save`` with ``FileSystemWriter``, three ways:
+    default (the writer stages: a fresh CPU copy of the state each call), with ONE reused
+    ``DefaultStager`` (synchronous staging into storages it caches across saves), and with one reused
+    ``DefaultStager`` staging in its own thread. Stall = until ``async_save`` returns (for the
+    thread-staged one: until its ``staging_completion``, when training may mutate its tensors again);
+    completion = until the upload future is done. Like shoal, the 2nd and later saves, each after the
+    previous one finished.
+Single process, no process group (``no_dist=True``). Prints a Markdown table with ratios.
+Usage: ``python benchmarks/stall.py --gib 1 --repeats 5``.
 """
 
 from __future__ import annotations
@@ -21,8 +29,74 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import shoal
+
+ASYNC_KINDS = ("default", "stager", "stager-thread")
+"""``async_save`` variants: the writer stages (default), one reused DefaultStager, and that in a thread."""
+
+
+def make_stager(kind: str) -> DefaultStager | None:
+    """The stager an ``async_save`` variant passes (None: the default, FileSystemWriter stages itself).
+
+    ``DefaultStager`` caches one CPU storage per source storage (``StateDictStager``) and copies into
+    it on later saves; pinned and shared memory off (CPU only), non-blocking copies need an accelerator.
+    """
+    if kind == "default":
+        return None
+    accel = torch.accelerator.is_available()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=accel,
+            use_shared_memory=False,
+            use_async_staging=kind == "stager-thread",
+            use_non_blocking_copy=accel,
+        )
+    )
+
+
+def async_save_seconds(
+    state: dict[str, torch.Tensor], root: str, repeats: int, kind: str, *, mutate: bool = True
+) -> tuple[list[float], list[float], float]:
+    """(stalls, completions, first stall) of ``dcp.async_save``; each save after the previous finished.
+
+    The first save is a warm-up (the reused stager allocates its storages there) and is not in the lists.
+    """
+    stager = make_stager(kind)
+    stalls, done, first = [], [], None
+    try:
+        for step in range(repeats + 1):
+            if mutate:
+                for t in state.values():
+                    t[0] += 1.0
+            path = os.path.join(root, f"dcp-async-{kind}-{step}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                t0 = time.perf_counter()
+                resp = dcp.async_save(
+                    state, storage_writer=dcp.FileSystemWriter(path), no_dist=True, async_stager=stager
+                )
+                if isinstance(resp, AsyncSaveResponse):
+                    resp.staging_completion.result()
+                    fut = resp.upload_completion
+                else:
+                    fut = resp
+                stall = time.perf_counter() - t0
+                fut.result()
+                total = time.perf_counter() - t0
+            shutil.rmtree(path)
+            if first is None:
+                first = stall
+                continue
+            stalls.append(stall)
+            done.append(total)
+    finally:
+        if stager is not None:
+            stager.close()
+    assert first is not None
+    return stalls, done, first
 
 
 def make_state(gib: float, tensor_mib: int) -> dict[str, torch.Tensor]:
@@ -107,6 +181,7 @@ def main() -> None:
         mem = memcpy_seconds(state, args.repeats)
         b1, b4, first = shoal_seconds(state, root, dram, args.repeats)
         base = dcp_seconds(state, root, args.repeats)
+        asyncs = {k: async_save_seconds(state, root, args.repeats, k) for k in ASYNC_KINDS}
     finally:
         shutil.rmtree(dram, ignore_errors=True)
         if args.root is None:
@@ -118,19 +193,40 @@ def main() -> None:
         ("shoal save() stall (to B1), saves 2+", med(b1)),
         ("shoal time to B4 (background, committed)", med(b4)),
         ("dcp.save + FileSystemWriter (stall = whole save)", med(base)),
+        ("dcp.async_save default: stall (until it returns)", med(asyncs["default"][0])),
+        ("dcp.async_save default: until its future completes", med(asyncs["default"][1])),
+        ("dcp.async_save + reused DefaultStager: stall", med(asyncs["stager"][0])),
+        ("dcp.async_save + reused DefaultStager: until complete", med(asyncs["stager"][1])),
+        (
+            "dcp.async_save + reused DefaultStager, thread staging: stall (staging done)",
+            med(asyncs["stager-thread"][0]),
+        ),
+        (
+            "dcp.async_save + reused DefaultStager, thread staging: until complete",
+            med(asyncs["stager-thread"][1]),
+        ),
     ]
     print(
         f"state: {len(state)} float32 tensors, {gib:.2f} GiB; median of {args.repeats} runs "
         f"(shoal's first save, slabs being created: {first:.3f} s)\n"
     )
-    print("| what | seconds | GiB/s | x memcpy | dcp.save / this |")
-    print("|---|---:|---:|---:|---:|")
+    ref = med(asyncs["stager"][0])
+    print("| what | seconds | GiB/s | x memcpy | dcp.save / this | this / async_save stall (reused stager) |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, s in rows:
-        print(f"| {name} | {s:.3f} | {gib / s:.2f} | {s / med(mem):.2f} | {med(base) / s:.1f} |")
+        print(
+            f"| {name} | {s:.3f} | {gib / s:.2f} | {s / med(mem):.2f} | {med(base) / s:.1f} | {s / ref:.2f} |"
+        )
     print(
         f"\nraw: memcpy {[round(x, 3) for x in mem]}, shoal B1 {[round(x, 3) for x in b1]}, "
         f"shoal B4 {[round(x, 3) for x in b4]}, dcp {[round(x, 3) for x in base]}"
     )
+    for k in ASYNC_KINDS:
+        st, dn, f1 = asyncs[k]
+        print(
+            f"raw: async_save {k}: stall {[round(x, 3) for x in st]}, complete {[round(x, 3) for x in dn]} "
+            f"(first save's stall {f1:.3f})"
+        )
 
 
 if __name__ == "__main__":
