@@ -13,6 +13,7 @@ the same sessions a user's own ``dcp.save`` would use.
 from __future__ import annotations
 
 import atexit
+import gc
 import io
 import logging
 import pickle
@@ -58,6 +59,23 @@ def _unwrapped_errors() -> Iterator[None]:
         if originals and all(isinstance(o, Exception) for o in originals):
             raise originals[0] from None
         raise
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for the foreground of a save.
+
+    DCP's planning and the staging bookkeeping allocate several small containers per item and
+    make no reference cycles; a collection in the middle traverses every object the process
+    holds (with thousands of items, most of a save's stall). Collected afterwards as usual.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @contextmanager
@@ -174,7 +192,7 @@ class Checkpointer:
             return handle
         writer = shoal_dcp.StorageWriter(self, step, _started=started, _managed=True)
         try:
-            with _quiet_no_dist(), _unwrapped_errors():
+            with _collector_paused(), _quiet_no_dist(), _unwrapped_errors():
                 torch_dcp.save(
                     dict(state_dict),
                     storage_writer=writer,

@@ -14,11 +14,13 @@ class _DuplicateKey(Exception):
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """``json.loads`` hook: a key given twice would let one reader see what another does not."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):  # rare: find the key to name it
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
     return out
 
 
