@@ -13,7 +13,6 @@ the same sessions a user's own ``dcp.save`` would use.
 from __future__ import annotations
 
 import atexit
-import gc
 import io
 import logging
 import pickle
@@ -27,6 +26,7 @@ import torch.distributed.checkpoint as torch_dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shoal import dcp as shoal_dcp
+from shoal._collector import collector_paused
 from shoal.boundary import Boundary
 from shoal.config import Config
 from shoal.engine.handle import SaveHandle
@@ -59,23 +59,6 @@ def _unwrapped_errors() -> Iterator[None]:
         if originals and all(isinstance(o, Exception) for o in originals):
             raise originals[0] from None
         raise
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector for the foreground of a save.
-
-    DCP's planning and the staging bookkeeping allocate several small containers per item and
-    make no reference cycles; a collection in the middle traverses every object the process
-    holds (with thousands of items, most of a save's stall). Collected afterwards as usual.
-    """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 @contextmanager
@@ -192,7 +175,7 @@ class Checkpointer:
             return handle
         writer = shoal_dcp.StorageWriter(self, step, _started=started, _managed=True)
         try:
-            with _collector_paused(), _quiet_no_dist(), _unwrapped_errors():
+            with collector_paused(), _quiet_no_dist(), _unwrapped_errors():
                 torch_dcp.save(
                     dict(state_dict),
                     storage_writer=writer,

@@ -67,14 +67,13 @@ nothing else it depends on changes.
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Container, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, replace
 from operator import attrgetter
 
 import numpy as np
 
+from shoal._collector import collector_paused
 from shoal.errors import ConfigError
 from shoal.group import _assign as assign
 from shoal.group._assign import Hosts
@@ -92,23 +91,6 @@ from shoal.group.plan import (
     Transfer,
 )
 from shoal.group.topology import Topology
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while planning, then restore it.
-
-    A plan for thousands of ranks allocates millions of small containers and makes no
-    reference cycles; left on, the collector would traverse every report object several
-    times. Process-wide, for the call only.
-    """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _ordered(ranks: Sequence[RankChunks]) -> list[RankChunks]:
@@ -179,7 +161,7 @@ def plan_group_save(
     collectives; raises :class:`~shoal.errors.ConfigError` when the reports disagree with the
     topology.
     """
-    with _collector_paused():
+    with collector_paused():
         ordered = _ordered(ranks)
         hosts = _group_hosts(ordered, topology)
         partner = _partners(hosts, topology, replicate)
@@ -250,7 +232,7 @@ class PlanCache:
         held: Mapping[str, Container[str]] | None = None,
         replicate: bool = True,
     ) -> GroupPlan:
-        with _collector_paused():
+        with collector_paused():
             return self._lookup_or_plan(step, ranks, durable, topology, held, replicate)
 
     def _lookup_or_plan(
