@@ -112,8 +112,8 @@ def check_private(path: str, st: os.stat_result, *, directory: bool) -> None:
     if problem is not None:
         raise OwnershipError(
             f"host-tier {kind} {path} {problem} (owner {describe_owner(st)}); shoal keeps its host tiers "
-            f"private: point Config.dram / Config.local at a directory of your own (shoal creates it "
-            f"0700, e.g. /dev/shm/shoal-{uid}), or remove this one if nothing else needs it"
+            f"private: point Config.dram / Config.local at a directory of your own that does not exist "
+            f"yet (shoal creates it 0700), or have this one removed if nothing else needs it"
         )
 
 
