@@ -124,8 +124,8 @@ class GroupSave:
             failpoints.hit("pipeline.before_hash", rank=ctx.rank)
             report = self._report()
             reports = self._collective(ctx.fabric.gather, report)  # C1
-            if reports is not None:  # the coordinator: DCP's metadata, from whichever rank ran finish
-                self.dcp = next((r.dcp for r in reports if r.dcp is not None), None)
+            if reports is not None:  # the coordinator: DCP's metadata, its own or the finish rank's
+                self.dcp = self._own_dcp() or next((r.dcp for r in reports if r.dcp is not None), None)
             h._reach_at_least(Boundary.STAGED)  # every rank has staged and reported
             self._emit_boundary(Boundary.STAGED)
             target = Boundary.REPLICATED if ctx.replicate else Boundary.PERSISTED
@@ -233,7 +233,9 @@ class GroupSave:
             nbytes = sum(s.nbytes for s in self.job.slot.items)
             ctx.events.emit("hashed", self.step, bytes=nbytes, seconds=time.perf_counter() - t0)
             self._write_staged_index(items)
-            dcp = self.job.dcp if self.job.dcp_ready.is_set() and not self.job.aborted else None
+            # Only another rank's metadata travels (dcp.save's coordinator_rank != 0): the
+            # coordinator's own is not pickled into its own gather.
+            dcp = None if ctx.fabric.is_coordinator else self._own_dcp()
             return RankReport(ctx.rank, ctx.host, items, held, dcp=dcp, prefixes=every.prefixes())
         except Exception as e:
             return RankReport(ctx.rank, ctx.host, (), held, self._local("hash", e))
@@ -585,6 +587,10 @@ class GroupSave:
             "write", self.step, tier="shared", what=what, path=path, bytes=n,
             seconds=time.perf_counter() - t0, writers=1,
         )  # fmt: skip
+
+    def _own_dcp(self) -> Mapping[str, Any] | None:
+        """The DCP metadata this rank's ``finish`` delivered, if it ran DCP's finish."""
+        return self.job.dcp if self.job.dcp_ready.is_set() and not self.job.aborted else None
 
     def _dcp_metadata(self) -> Mapping[str, Any] | None:
         """The checkpoint's DCP metadata, from the C1 report of the rank that ran DCP's ``finish``.

@@ -64,7 +64,7 @@ from shoal.format.chunking import Hasher
 from shoal.format.dcp_codec import encode_metadata
 from shoal.format.manifest import Manifest
 from shoal.group.fabric import Board, Fabric
-from shoal.group.topology import Topology, build_topology
+from shoal.group.topology import topology_for_path
 from shoal.tiers import open_tier
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
@@ -116,7 +116,9 @@ class Runtime:
         """Open this run's host tiers, the pipeline and the restore (after the run is agreed on)."""
         assert cfg.local is not None and cfg.dram is not None
         run = self.run_id
-        self.topology = _topology(cfg, rank_hosts, domains)
+        self.topology = topology_for_path(
+            rank_hosts, path=cfg.path, scheme=cfg.partner_scheme, domains=domains
+        )
         # Partner copies are possible in every job of several hosts (with partners in other failure
         # domains); whether a checkpoint makes them is the path policy's choice, checkpoint by
         # checkpoint. Host tiers for them are open wherever they are possible.
@@ -582,20 +584,3 @@ class Runtime:
         lock = getattr(self, "_host_lock", None)
         if lock is not None and getattr(self, "closed", True):
             lock.release()
-
-
-def _topology(cfg: Config, rank_hosts: list[str], domains: dict[str, str]) -> Topology:
-    """The job's topology, with partners wherever the job can have them.
-
-    ``path="partner"`` requires them (a one-host job, or hosts all in one failure domain, is a
-    :class:`~shoal.errors.ConfigError` naming why); otherwise a job without possible partners
-    simply takes the direct path.
-    """
-    if cfg.path == "partner":
-        return build_topology(rank_hosts, scheme=cfg.partner_scheme, domains=domains, replicate=True)
-    if len(set(rank_hosts)) > 1:
-        try:
-            return build_topology(rank_hosts, scheme=cfg.partner_scheme, domains=domains, replicate=True)
-        except ConfigError as e:
-            log.info("no partner copies possible in this job (%s): checkpoints take the direct path", e)
-    return build_topology(rank_hosts, scheme=cfg.partner_scheme, domains=domains, replicate=False)

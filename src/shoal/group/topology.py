@@ -27,6 +27,7 @@ every rank (and NIC) of both hosts when their sizes match.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -35,6 +36,8 @@ from shoal.errors import ConfigError
 
 SCHEMES = ("ring", "jump")
 """Partner schemes :func:`build_topology` knows."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -214,4 +217,23 @@ def build_topology(
     return Topology(rank_hosts, hosts, partners, dom)
 
 
-__all__ = ["SCHEMES", "Topology", "build_topology"]
+__all__ = ["SCHEMES", "Topology", "build_topology", "topology_for_path"]
+
+
+def topology_for_path(
+    rank_hosts: Sequence[str], *, path: str, scheme: str = "ring", domains: Mapping[str, str] | None = None
+) -> Topology:
+    """The job's topology, with partners wherever the job can have them (``Config.path`` given).
+
+    ``path="partner"`` requires them (a one-host job, or hosts all in one failure domain, is a
+    :class:`~shoal.errors.ConfigError` naming why); otherwise a job without possible partners
+    simply has none, and its checkpoints take the direct path.
+    """
+    if path == "partner":
+        return build_topology(rank_hosts, scheme=scheme, domains=domains, replicate=True)
+    if len(set(rank_hosts)) > 1:
+        try:
+            return build_topology(rank_hosts, scheme=scheme, domains=domains, replicate=True)
+        except ConfigError as e:
+            log.info("no partner copies possible in this job (%s): checkpoints take the direct path", e)
+    return build_topology(rank_hosts, scheme=scheme, domains=domains, replicate=False)
