@@ -56,8 +56,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from dcp_baselines import make_stager, timed_async_save
 
 import shoal
 from shoal.engine.restore import LoadReport
@@ -169,20 +168,6 @@ def _tiers(report: LoadReport | None) -> str:
     return ", ".join(f"{t} {n / 2**20:.1f} MiB" for t, n in sorted(report.bytes_by_tier.items()) if n)
 
 
-def make_stager(kind: str) -> DefaultStager | None:
-    if kind == "default":
-        return None
-    accel = torch.accelerator.is_available()
-    return DefaultStager(
-        StagingOptions(
-            use_pinned_memory=accel,
-            use_shared_memory=False,
-            use_async_staging=kind == "stager-thread",
-            use_non_blocking_copy=accel,
-        )
-    )
-
-
 def async_run(state: dict[str, torch.Tensor], root: str, saves: int, kind: str) -> tuple[Series, Series]:
     stager = make_stager(kind)
     stalls, done = [], []
@@ -190,20 +175,9 @@ def async_run(state: dict[str, torch.Tensor], root: str, saves: int, kind: str) 
         for step in range(saves):
             mutate(state)
             path = os.path.join(root, f"async-{kind}-{step}")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                t0 = time.perf_counter()
-                resp = dcp.async_save(
-                    state, storage_writer=dcp.FileSystemWriter(path), no_dist=True, async_stager=stager
-                )
-                if isinstance(resp, AsyncSaveResponse):
-                    resp.staging_completion.result()
-                    fut = resp.upload_completion
-                else:
-                    fut = resp
-                stalls.append(time.perf_counter() - t0)
-                fut.result()
-                done.append(time.perf_counter() - t0)
+            stall, total = timed_async_save(state, path, stager)
+            stalls.append(stall)
+            done.append(total)
             shutil.rmtree(path)
     finally:
         if stager is not None:

@@ -29,32 +29,12 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from dcp_baselines import make_stager, timed_async_save
 
 import shoal
 
 ASYNC_KINDS = ("default", "stager", "stager-thread")
 """``async_save`` variants: the writer stages (default), one reused DefaultStager, and that in a thread."""
-
-
-def make_stager(kind: str) -> DefaultStager | None:
-    """The stager an ``async_save`` variant passes (None: the default, FileSystemWriter stages itself).
-
-    ``DefaultStager`` caches one CPU storage per source storage (``StateDictStager``) and copies into
-    it on later saves; pinned and shared memory off (CPU only), non-blocking copies need an accelerator.
-    """
-    if kind == "default":
-        return None
-    accel = torch.accelerator.is_available()
-    return DefaultStager(
-        StagingOptions(
-            use_pinned_memory=accel,
-            use_shared_memory=False,
-            use_async_staging=kind == "stager-thread",
-            use_non_blocking_copy=accel,
-        )
-    )
 
 
 def async_save_seconds(
@@ -72,20 +52,7 @@ def async_save_seconds(
                 for t in state.values():
                     t[0] += 1.0
             path = os.path.join(root, f"dcp-async-{kind}-{step}")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                t0 = time.perf_counter()
-                resp = dcp.async_save(
-                    state, storage_writer=dcp.FileSystemWriter(path), no_dist=True, async_stager=stager
-                )
-                if isinstance(resp, AsyncSaveResponse):
-                    resp.staging_completion.result()
-                    fut = resp.upload_completion
-                else:
-                    fut = resp
-                stall = time.perf_counter() - t0
-                fut.result()
-                total = time.perf_counter() - t0
+            stall, total = timed_async_save(state, path, stager)
             shutil.rmtree(path)
             if first is None:
                 first = stall
