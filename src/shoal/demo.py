@@ -36,7 +36,7 @@ from shoal import failpoints
 from shoal.engine.store import list_checkpoints
 from shoal.format.chunking import digest
 from shoal.testing.multiproc import run_ranks
-from shoal.tiers import open_tier
+from shoal.tiers.roles import Role, open_role
 
 HOSTS = ["h0", "h0", "h1", "h1"]
 
@@ -207,7 +207,7 @@ def run(root: str, *, steps: int = 30, every: int = 5, lose_at: int = 23) -> Non
         b4 = r0["healed"][int(shoal.Boundary.RESTARTABLE)]
         print(f"   healed: step {r0['loaded']} saved again from the restored state, B4 after {b4:.2f} s")
     print("\n   on shared storage (keep_last=3): bytes the ranks staged, and new bytes written")
-    shared = open_tier("shared", _config(root).shared_url())
+    shared = open_role(Role.SHARED, _config(root).shared_url())
     for info in list_checkpoints(shared):
         if info.manifest is None or info.boundary is None:
             continue

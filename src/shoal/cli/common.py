@@ -98,10 +98,10 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def open_job(args: argparse.Namespace) -> Tier:
     """The shared tier holding the addressed job's checkpoints."""
-    from shoal.tiers import open_tier
+    from shoal.tiers.roles import Role, open_role
 
     try:
-        return open_tier("shared", job_url(args), storage_options(args))
+        return open_role(Role.SHARED, job_url(args), storage_options(args))
     except ConfigError as e:
         raise CliError(str(e)) from e
 

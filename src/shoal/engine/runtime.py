@@ -65,10 +65,10 @@ from shoal.format.dcp_codec import encode_metadata
 from shoal.format.manifest import Manifest
 from shoal.group.fabric import Board, Fabric
 from shoal.group.topology import topology_for_path
-from shoal.tiers import open_tier
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
 from shoal.tiers.local import PosixTier
+from shoal.tiers.roles import Role, open_role
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class Runtime:
         self._host_lock = HostLock(cfg.dram, cfg.job, self.host, self.rank)
         rank_hosts, domains = self._claim_host(cfg)
         try:
-            self.shared = open_tier("shared", cfg.shared_url(), cfg.storage_options)
+            self.shared = open_role(Role.SHARED, cfg.shared_url(), cfg.storage_options)
             self.run_id = self._agree_on_run(cfg)
             self._open(cfg, rank_hosts, domains)
         except BaseException:

@@ -8,7 +8,7 @@ Input: the :class:`~shoal.group._holdings.Holdings` of the reports, where the sl
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Collection, Container, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,10 +18,8 @@ from shoal.group.plan import ChunkRuns, DrainAssignment, Transfer
 
 
 def is_empty(c: Container[str]) -> bool:
-    try:
-        return len(c) == 0  # type: ignore[arg-type]
-    except TypeError:
-        return False
+    """Whether ``c`` is known to hold nothing: a sized container of length 0 (a bare one may hold any)."""
+    return isinstance(c, Sized) and len(c) == 0
 
 
 def _members(c: Container[str], digests: Sequence[str]) -> np.ndarray:

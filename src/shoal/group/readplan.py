@@ -22,19 +22,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from shoal.errors import CheckpointNotFound
+from shoal.tiers import read_preference
+from shoal.tiers.roles import Role, kind_for
 
-SHARED = "shared"
-"""``Source.tier`` of the shared tier (whose ``host`` is None)."""
-
-_TIER_ORDER = {"dram": 0, "local": 1, SHARED: 2}
+SHARED = kind_for(Role.SHARED)
+"""``Source.tier`` of the shared tier (whose ``host`` is None): the kind that plays the shared role."""
 
 
 @dataclass(frozen=True)
 class Source:
     """One place a chunk can be read from.
 
-    ``tier`` is ``"dram"``, ``"local"`` or ``"shared"``; ``host`` the host whose tier it is
-    (None for shared). ``path`` names a pack (``slab=False``) or a staging slab
+    ``tier`` is a tier kind (``"dram"``, ``"local"``, ``"shared"`` or a registered one); ``host``
+    the host whose tier it is (None for shared). ``path`` names a pack (``slab=False``) or a staging slab
     (``slab=True``, DRAM only); the chunk is ``length`` bytes at ``offset`` in it.
     """
 
@@ -173,7 +173,9 @@ def plan_reads(
     ``needs``: rank -> digests it needs; ``lengths``: digest -> bytes; ``sources``: digest ->
     where it lies; ``rank_hosts[r]``: the host of rank r. Chunks are placed longest first on
     the least-loaded eligible host (bytes read), then the least-loaded rank there. A reader's
-    sources are those of its own host (DRAM before local disk), then the shared tier.
+    sources are those of its own host, in the order of their tier kinds' read preference
+    (:func:`shoal.tiers.read_preference`: DRAM before local disk; a slab before a pack of the
+    same kind), then the shared tier.
     Raises :class:`~shoal.errors.CheckpointNotFound` for a needed chunk with no source a
     rank of this job can reach.
     """
@@ -189,6 +191,13 @@ def plan_reads(
     host_load = dict.fromkeys(ranks_on, 0)
     rank_load = dict.fromkeys(range(len(rank_hosts)), 0)
     reads: dict[int, list[ChunkRead]] = {}
+    preference: dict[str, int] = {}
+
+    def rank_of(s: Source) -> tuple[int, bool]:
+        if s.tier not in preference:
+            preference[s.tier] = read_preference(s.tier)  # ConfigError for a kind no tier implements
+        return preference[s.tier], s.slab is False
+
     for d in sorted(consumers, key=lambda d: (-lengths[d], d)):
         n = lengths[d]
         srcs = sources.get(d, ())
@@ -209,7 +218,7 @@ def plan_reads(
         host = min(hosts, key=lambda h: (host_load[h], hosts.index(h)))
         candidates = [r for r in wanting if rank_hosts[r] == host] or ranks_on[host]
         reader = min(candidates, key=lambda r: (rank_load[r], r))
-        mine = sorted(on_host.get(host, ()), key=lambda s: (_TIER_ORDER.get(s.tier, 9), s.slab is False))
+        mine = sorted(on_host.get(host, ()), key=rank_of)
         order = tuple(mine + shared)
         host_load[host] += n
         rank_load[reader] += n

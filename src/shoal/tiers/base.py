@@ -88,9 +88,29 @@ class CommitStrategy(Protocol):
         ...
 
 
+AUTO = -1
+"""``TierCapabilities.read_preference`` default: derive the preference from the other flags."""
+
+
+def derived_read_preference(*, persistent: bool, host_local: bool) -> int:
+    """The read preference a tier gets when it does not state one.
+
+    0 for a volatile host tier (memory), 1 for a persistent host tier (node-local disk), 2
+    for a job-wide tier (shared storage, reached over the network).
+    """
+    if not host_local:
+        return 2
+    return 1 if persistent else 0
+
+
 @dataclass(frozen=True)
 class TierCapabilities:
-    """What a tier can promise; callers branch on these flags, never on the class."""
+    """What a tier can promise; callers branch on these flags, never on the class.
+
+    Every tier class states its capabilities as a class attribute (what the registry reads
+    for a kind, e.g. :func:`shoal.tiers.read_preference`); an instance may refine only
+    ``atomic_rename`` (the shared tier's depends on its URL).
+    """
 
     persistent: bool
     """Bytes survive a reboot of the host (false for ``dram``)."""
@@ -98,6 +118,26 @@ class TierCapabilities:
     """The tier belongs to one host (``dram``, ``local``) rather than the whole job."""
     atomic_rename: bool
     """Commits by write-to-temporary then rename (POSIX); false for single-PUT object stores."""
+    read_preference: int = AUTO
+    """Where the tier comes when a chunk can be read from several (lower is read first):
+    ``dram`` 0, ``local`` 1, ``shared`` 2. :data:`AUTO` (the default) derives it from
+    ``persistent`` and ``host_local`` (:func:`derived_read_preference`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("persistent", "host_local", "atomic_rename"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"TierCapabilities.{name} must be True or False, got {getattr(self, name)!r}"
+                )
+        pref = self.read_preference
+        if isinstance(pref, bool) or not isinstance(pref, int) or (pref < 0 and pref != AUTO):
+            raise ConfigError(
+                f"TierCapabilities.read_preference must be an int >= 0 (lower is read first) or AUTO, "
+                f"got {pref!r}"
+            )
+        if pref == AUTO:
+            derived = derived_read_preference(persistent=self.persistent, host_local=self.host_local)
+            object.__setattr__(self, "read_preference", derived)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ tier also hands out *slabs* (:meth:`DramTier.open_slab`): one shared-memory file
 staging slot, ``<root>/slabs/<name>.slab``, reserved with ``posix_fallocate``,
 mapped once and pre-faulted so that staging a checkpoint copies into resident pages
 instead of taking a page fault per 4 KiB. Slabs are not checkpoint files: they are
-never listed, and tier paths under ``slabs/`` are refused.
+never listed, and tier paths under ``slabs/`` are refused. The tier is the built-in
+:class:`~shoal.tiers.slabs.SlabStore` (and :class:`Slab` a :class:`~shoal.tiers.slabs.SlabLike`).
 
 Running out of ``/dev/shm`` is reported as :class:`shoal.errors.InsufficientMemory`
 with the bytes needed and free, before anything is mapped: a write into a mapping
@@ -191,7 +192,7 @@ class DramTier(PosixTier):
     """Host-memory tier: a :class:`PosixTier` on tmpfs without fsync, plus staging slabs."""
 
     kind = "dram"
-    capabilities = TierCapabilities(persistent=False, host_local=True, atomic_rename=True)
+    capabilities = TierCapabilities(persistent=False, host_local=True, atomic_rename=True, read_preference=0)
     durable = False
 
     def __init__(self, root: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None) -> None:
@@ -273,6 +274,30 @@ class DramTier(PosixTier):
                     got += n
             finally:
                 os.close(fd)
+
+    def list_slabs(self) -> dict[str, int]:
+        """Every slab file under ``<root>/slabs/``, name -> its size in bytes, sorted by name.
+
+        Only regular files named ``<identifier>.slab`` count; a symbolic link or any other
+        entry is not a slab (and is never followed).
+        """
+        found: dict[str, int] = {}
+        with self._wrap("list slabs in", SLABS_DIR):
+            try:
+                entries = list(os.scandir(os.path.join(self.root, SLABS_DIR)))
+            except (FileNotFoundError, NotADirectoryError):
+                return found
+            for entry in entries:
+                name = entry.name[: -len(".slab")]
+                if not entry.name.endswith(".slab") or not entry.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    check_identifier(name, "slab name")
+                except InvalidName:
+                    continue
+                with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+                    found[name] = entry.stat(follow_symlinks=False).st_size
+        return dict(sorted(found.items()))
 
     def delete_slab(self, name: str) -> None:
         """Remove the slab file ``name`` (mappings still open keep their memory until closed)."""

@@ -275,7 +275,7 @@ class PosixTier(Tier):
     """
 
     kind = "local"
-    capabilities = TierCapabilities(persistent=True, host_local=True, atomic_rename=True)
+    capabilities = TierCapabilities(persistent=True, host_local=True, atomic_rename=True, read_preference=1)
     durable = True
     """Whether writes fsync (file and directory); subclasses for volatile tiers turn it off."""
 

@@ -16,6 +16,7 @@ fsspec's global caches, and listings always reflect what other hosts wrote.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
@@ -93,6 +94,9 @@ class FsspecTier(Tier):
     """A tier at an fsspec URL (``/mnt/lustre/ckpt``, ``s3://bucket/prefix``, ...); the job-wide tier."""
 
     kind = "shared"
+    capabilities = TierCapabilities(persistent=True, host_local=False, atomic_rename=False, read_preference=2)
+    """The kind's capabilities; an instance on a mounted file system commits by rename
+    (``atomic_rename`` true), one on an object store does not."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         if not isinstance(url, str) or not url or "\x00" in url:
@@ -113,8 +117,8 @@ class FsspecTier(Tier):
             self._commit = AtomicRenameCommit(durable=True, failpoint="shared.write")
         else:
             self._commit = ObjectPutCommit(fs)
-        self.capabilities = TierCapabilities(
-            persistent=True, host_local=False, atomic_rename=self._commit.atomic_rename
+        self.capabilities = dataclasses.replace(
+            FsspecTier.capabilities, atomic_rename=self._commit.atomic_rename
         )
 
     @classmethod
