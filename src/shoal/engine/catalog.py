@@ -14,12 +14,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from shoal.boundary import Boundary
+from shoal.engine.packlist import StepSummary, list_packs
 from shoal.errors import MissingFile
 from shoal.format import layout
 from shoal.format.manifest import ChunkLocation, Manifest, PackRecord
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
+
+_RECENT = 8
+"""Steps :attr:`ChunkCatalog.recent` remembers."""
 
 
 @dataclass
@@ -28,6 +32,10 @@ class ChunkCatalog:
 
     locations: dict[str, ChunkLocation] = field(default_factory=dict)
     packs: dict[str, PackRecord] = field(default_factory=dict)
+    recent: dict[int, tuple[StepSummary, str | None]] = field(default_factory=dict)
+    """The newest steps added (at most :data:`_RECENT`): step -> the summary of its manifest and the
+    digest of its bytes where the writer gave it; retention's
+    :meth:`~shoal.engine.packlist.StepSummaries.prime` takes them instead of decoding the file."""
 
     def __contains__(self, digest: object) -> bool:
         return digest in self.locations
@@ -35,12 +43,18 @@ class ChunkCatalog:
     def __len__(self) -> int:
         return len(self.locations)
 
-    def add_manifest(self, manifest: Manifest) -> None:
-        """Record every chunk ``manifest`` references (it must be committed on this catalog's tier)."""
+    def add_manifest(self, manifest: Manifest, *, manifest_digest: str | None = None) -> None:
+        """Record every chunk ``manifest`` references (it must be committed on this catalog's tier).
+
+        ``manifest_digest``: the BLAKE3 of the bytes written for it, where the writer has it.
+        """
         for digest, loc in manifest.locations.items():
             self.locations.setdefault(digest, loc)
         for pid, rec in manifest.packs.items():
             self.packs.setdefault(pid, rec)
+        self.recent[manifest.step] = (StepSummary.of(manifest), manifest_digest)
+        while len(self.recent) > _RECENT:
+            del self.recent[min(self.recent)]
 
     def drop_packs(self, pack_ids: Iterable[str]) -> None:
         """Forget packs that retention deleted, and every chunk that lay in them."""
@@ -94,12 +108,12 @@ def pack_problems(tier: Tier, packs: Mapping[str, PackRecord]) -> dict[str, str]
     """
     if not packs:
         return {}
-    listed = set(tier.list(layout.PACKS_DIR + "/"))
+    listed = list_packs(tier)
     ids = sorted(packs)
 
     def problem(pid: str) -> str | None:
         path = layout.pack_path(pid)
-        if path not in listed:
+        if pid not in listed.packs:
             return f"{path} is missing"
         try:
             size = tier.info(path).size
@@ -107,7 +121,7 @@ def pack_problems(tier: Tier, packs: Mapping[str, PackRecord]) -> dict[str, str]
             return f"{path} is missing"
         if size != packs[pid].size:
             return f"{path} is {size} bytes, its record says {packs[pid].size}"
-        if layout.index_path(pid) not in listed:
+        if pid not in listed.indexes:
             return f"{layout.index_path(pid)} (the index of {path}) is missing"
         return None
 

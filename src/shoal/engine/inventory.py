@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.boundary import Boundary
+from shoal.engine.packlist import list_packs
 from shoal.engine.staged import STAGED_DIR, STAGED_FORMAT
 from shoal.engine.store import list_checkpoints
 from shoal.errors import ShoalError
@@ -148,15 +149,6 @@ class HostInventory:
     """The URLs of the tiers listed."""
 
 
-def _packs_present(tier: Tier) -> frozenset[str]:
-    suffix = ".pack"
-    return frozenset(
-        p[len(layout.PACKS_DIR) + 1 : -len(suffix)]
-        for p in tier.list(layout.PACKS_DIR + "/")
-        if p.endswith(suffix)
-    )
-
-
 def host_inventory(
     host: str, tiers: Mapping[str, Tier], dram: DramTier | None, *, run_id: str | None = None
 ) -> HostInventory:
@@ -167,7 +159,7 @@ def host_inventory(
     inv = HostInventory(host, looked=[t.url for t in tiers.values()])
     for kind, tier in tiers.items():
         try:
-            inv.packs[kind] = _packs_present(tier)
+            inv.packs[kind] = list_packs(tier).packs
             for info in list_checkpoints(tier):
                 m = info.manifest
                 if m is not None and run_id is not None and m.run is not None and m.run != run_id:
@@ -203,7 +195,7 @@ class SharedInventory:
 def shared_inventory(tier: Tier) -> SharedInventory:
     """List the shared tier; an unreachable tier gives an empty inventory and says why."""
     try:
-        packs = _packs_present(tier)
+        packs = list_packs(tier).packs
         infos = list_checkpoints(tier)
     except (ShoalError, OSError) as e:
         log.warning("shared tier %s cannot be listed; restoring without it: %s", tier.url, e)

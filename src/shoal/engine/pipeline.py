@@ -25,10 +25,10 @@ from shoal.boundary import Boundary
 from shoal.engine.fence import WriterFence
 from shoal.engine.group_save import GroupSave, PipelineContext, SaveJob
 from shoal.engine.handle import SaveHandle
+from shoal.engine.packlist import StepSummaries, summarise
 from shoal.engine.retention import apply_retention, latest_step, pack_ids_on, plan_retention
 from shoal.engine.staged import staged_path
 from shoal.engine.stager import SlotRing
-from shoal.engine.store import list_checkpoints
 from shoal.errors import CheckpointFailed, StateError, WriterFenced
 from shoal.tiers.base import Tier
 
@@ -55,6 +55,8 @@ class Pipeline:
         self._pending: dict[int, SaveJob] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.summaries = StepSummaries()
+        """Each retained step's pack list, kept between retention passes (the worker's alone)."""
 
     # -- trainer side --------------------------------------------------------
     def submit(self, job: SaveJob) -> None:
@@ -159,20 +161,23 @@ class Pipeline:
         if ctx.is_host_leader and ctx.host_tier is not None:
             work.append((ctx.host_tier, True))
         for tier, host_tier in work:
+            catalog = ctx.host_catalog if host_tier else ctx.shared_catalog
             try:
+                if catalog is not None and step in catalog.recent:  # written by this process just now
+                    self.summaries.prime(tier, *catalog.recent[step])
                 freed, dropped = run_retention(
                     tier,
                     self.keep_last,
                     horizon,
                     manifests_are_commits=host_tier,
                     writer=None if host_tier else writer,
+                    summaries=self.summaries,
                 )
             except Exception as e:
                 log.warning(
                     "retention on %s after step %d failed (nothing unsafe was deleted): %s", tier.url, step, e
                 )
                 continue
-            catalog = ctx.host_catalog if host_tier else ctx.shared_catalog
             if catalog is not None:
                 catalog.drop_packs(dropped)
             if freed or dropped:
@@ -215,6 +220,7 @@ def run_retention(
     *,
     manifests_are_commits: bool = False,
     writer: str | Collection[str] | None = None,
+    summaries: StepSummaries | None = None,
 ) -> tuple[int, tuple[str, ...]]:
     """One retention pass over ``tier``: keep the ``keep_last`` newest committed checkpoints.
 
@@ -224,16 +230,17 @@ def run_retention(
     ``writer``: the id of the writer that holds the job (shared tier); the steps other
     writers committed are left alone. Damaged steps (unreadable manifest, a commit record
     without its manifest or not matching it) are removed when older than every kept step,
-    and otherwise protect the packs they could reference.
+    and otherwise protect the packs they could reference. ``summaries``: each step's pack list
+    kept from earlier passes (a manifest is decoded only when it is new or its files changed).
     """
-    infos = list_checkpoints(tier)
+    infos = summarise(tier, summaries)
     if manifests_are_commits:
-        committed = [i.step for i in infos if i.manifest is not None]
+        committed = [i.step for i in infos if i.summary is not None]
     else:
-        committed = [i.step for i in infos if i.boundary == Boundary.RESTARTABLE]
+        committed = [i.step for i in infos if i.summary is not None and i.committed]
     plan = plan_retention(
         committed=committed,
-        manifests={i.step: i.manifest for i in infos},
+        manifests={i.step: i.summary for i in infos},
         latest=latest_step(tier),
         keep_last=keep_last,
         pack_ids=pack_ids_on(tier),

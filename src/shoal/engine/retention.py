@@ -30,13 +30,24 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from shoal.engine.packlist import list_packs
 from shoal.engine.store import read_pointer
 from shoal.errors import FormatError
 from shoal.format import layout
-from shoal.format.manifest import Manifest
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
+
+
+class StepRefs(Protocol):
+    """What retention reads of a step's manifest: a :class:`~shoal.format.manifest.Manifest`, or the
+    :class:`~shoal.engine.packlist.StepSummary` kept of it."""
+
+    @property
+    def writer(self) -> str | None: ...
+
+    @property
+    def packs(self) -> Collection[str]: ...
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,7 @@ class RetentionPlan:
 def plan_retention(
     *,
     committed: Iterable[int],
-    manifests: Mapping[int, Manifest | None],
+    manifests: Mapping[int, StepRefs | None],
     latest: int | None,
     keep_last: int | None,
     pack_ids: Iterable[str],
@@ -81,7 +92,8 @@ def plan_retention(
 
     Args:
         committed: steps with a commit record.
-        manifests: every step on the tier -> its manifest, or None if it cannot be used (damaged).
+        manifests: every step on the tier -> its manifest (or its summary), or None if it cannot be
+            used (damaged).
         latest: the step ``LATEST`` names (always kept).
         keep_last: committed checkpoints to keep, newest steps first (None: all; 0: none but ``latest``).
         pack_ids: every pack id present on the tier.
@@ -148,14 +160,8 @@ def latest_step(tier: Tier) -> int | None:
 
 
 def pack_ids_on(tier: Tier) -> list[str]:
-    """Ids of every pack (``.pack`` or ``.idx`` file) on ``tier``."""
-    ids = set()
-    for path in tier.list(layout.PACKS_DIR + "/"):
-        name = path.rsplit("/", 1)[-1]
-        for ext in (".pack", ".idx"):
-            if name.endswith(ext):
-                ids.add(name[: -len(ext)])
-    return sorted(ids)
+    """Ids of every pack (``.pack`` or ``.idx`` file) on ``tier`` (:func:`~.packlist.list_packs`)."""
+    return sorted(list_packs(tier).ids)
 
 
 @runtime_checkable
@@ -211,6 +217,7 @@ __all__ = [
     "DamagedStep",
     "RemovesEmptyDirs",
     "RetentionPlan",
+    "StepRefs",
     "apply_retention",
     "latest_step",
     "pack_ids_on",
