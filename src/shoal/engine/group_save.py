@@ -34,22 +34,21 @@ packs it drained stay unreferenced until the job's retention reclaims them).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from itertools import accumulate, chain
 from typing import Any
-
-import blake3
 
 from shoal import failpoints
 from shoal._version import __version__
 from shoal.boundary import Boundary
-from shoal.engine.catalog import ChunkCatalog, pack_problems, require_packs
+from shoal.engine import replicate
+from shoal.engine.catalog import ChunkCatalog, pack_problems
+from shoal.engine.commit import CheckpointCommit
 from shoal.engine.fence import WriterFence, after_failed_commit
+from shoal.engine.packwriter import slab_runs, write_pack
 from shoal.engine.path import PARTNER, PathContext, PathDecision, PathRecord, decide_path
 from shoal.engine.protocol import (
     GroupFailure,
@@ -61,20 +60,10 @@ from shoal.engine.protocol import (
     describe,
 )
 from shoal.engine.staged import STAGED_DIR
-from shoal.errors import ChecksumMismatch
 from shoal.format import layout
-from shoal.format.chunking import digest
-from shoal.format.manifest import (
-    ChunkLocation,
-    ItemRecord,
-    Manifest,
-    PackRecord,
-    Pointer,
-    Stats,
-    WorldInfo,
-    decode_manifest,
-)
-from shoal.format.pack import PackBuilder, PackEntry, PackIndex
+from shoal.format.manifest import ItemRecord, Stats, WorldInfo
+from shoal.format.manifest_build import Holdings, ManifestHeader, build_manifest
+from shoal.format.pack import PackIndex
 from shoal.group.planner import ChunkRef, ChunkTable, Digests, GroupPlan, RankChunks
 
 log = logging.getLogger(__name__)
@@ -100,9 +89,10 @@ class GroupSave:
         self.items = {item.key: item for item in job.slot.items}
         self.local_error: Exception | None = None
         self.dcp: Mapping[str, Any] | None = None
-        self.decision: PathDecision | None = None
-        """This checkpoint's path (from C2)."""
         """The coordinator's copy of the checkpoint's DCP metadata (from the C1 reports)."""
+        self.plan: GroupPlan | None = None
+        self.decision: PathDecision | None = None
+        """This checkpoint's plan and path (from C2)."""
         self.coordination_seconds = 0.0
         self.collectives = 0
 
@@ -130,7 +120,7 @@ class GroupSave:
             self._emit_boundary(Boundary.STAGED)
             target = Boundary.REPLICATED if ctx.replicate else Boundary.PERSISTED
             plan, decision = self._agree_on_plan(reports)  # C2
-            self.decision = decision
+            self.plan, self.decision = plan, decision
             h._set_path(decision.path, decision.reason)
             ctx.events.emit("path", self.step, path=decision.path, reason=decision.reason)
             replicate = decision.path == PARTNER
@@ -145,7 +135,7 @@ class GroupSave:
             outcome: dict[str, Any] | None = None
             if ctx.fabric.is_coordinator:
                 assert results is not None and reports is not None
-                outcome = self._commit(plan, reports, results)
+                outcome = self._commit(reports, results)
             outcome = self._collective(ctx.fabric.broadcast, outcome)  # C7
             assert outcome is not None
             if outcome["reached"] is not None and outcome["reached"] >= Boundary.PERSISTED:
@@ -341,18 +331,27 @@ class GroupSave:
         off = ref.index * self.ctx.chunk_size
         return self.job.slot.view(self.items[ref.key])[off : off + ref.length]
 
+    def _slab(self) -> memoryview:
+        slab = self.job.slot.slab
+        assert slab is not None
+        return slab.buffer
+
     def _replicate_phase(self, plan: GroupPlan, reports: list[RankReport] | None) -> None:
         ctx = self.ctx
-        written = self._replicate(plan)
+        index, errors = replicate.exchange(ctx, plan, self.step, self._view)
+        written = next((self._local(phase, e) for phase, e in errors), None) if errors else index
         results = self._collective(ctx.fabric.gather, written)  # C3
         manifests: dict[str, bytes] | str | None = None
         if ctx.fabric.is_coordinator:
             assert results is not None and reports is not None
-            errors = [r for r in results if isinstance(r, str)]
+            failed = [r for r in results if isinstance(r, str)]
             manifests = (
-                "; ".join(errors)
-                if errors
-                else self._guard("replica manifests", lambda: self._host_manifests(plan, reports, results))
+                "; ".join(failed)
+                if failed
+                else self._guard(
+                    "replica manifests",
+                    lambda: replicate.host_manifests(ctx, self._header(), _items(reports), results),
+                )
             )
         manifests = self._collective(ctx.fabric.broadcast, manifests)  # C4
         if isinstance(manifests, str):
@@ -361,215 +360,71 @@ class GroupSave:
         ack = None
         if ctx.is_host_leader:
             ack = self._guard(
-                "write replica manifest", lambda: self._write_host_manifest(manifests[ctx.host])
+                "write replica manifest",
+                lambda: replicate.write_host_manifest(ctx, self.step, manifests[ctx.host]),
             )
         check_errors(self._collective(ctx.fabric.all_gather, ack))  # C5
 
-    def _replicate(self, plan: GroupPlan) -> PackIndex | str | None:
-        """Send this rank's transfers and receive its own into one verified pack on the host tier."""
-        ctx = self.ctx
-        sends = [(t.dst_rank, [self._view(c) for c in t.chunks]) for t in plan.sends_from(ctx.rank)]
-        incoming = plan.receives_at(ctx.rank)
-        receives = [(t.src_rank, [c.length for c in t.chunks]) for t in incoming]
-        expected = [c for t in incoming for c in t.chunks]
-        error: str | None = None
-        index: PackIndex | None = None
-        t0 = time.perf_counter()
-        try:
-            works = ctx.fabric.post_sends(sends)
-        except Exception as e:
-            return self._local("replicate (send)", e)
-        if len(ctx.scratch) < ctx.chunk_size:
-            ctx.scratch = bytearray(ctx.chunk_size)
-        stream = ctx.fabric.receive(receives, ctx.scratch)
-        try:
-            if expected:
-                index = self._write_replica_pack(stream, expected)
-        except Exception as e:
-            error = self._local("replicate (receive)", e)
-            for _ in stream:  # let the senders finish: drain what is still coming
-                pass
-        finally:
-            try:
-                ctx.fabric.wait_all(works)
-            except Exception as e:
-                error = error or self._local("replicate (send)", e)
-        sent = sum(t.nbytes for t in plan.sends_from(ctx.rank))
-        if sent or expected:
-            ctx.events.emit(
-                "replicate",
-                self.step,
-                tier=ctx.host_tier.kind if ctx.host_tier else None,
-                sent_bytes=sent,
-                received_bytes=sum(c.length for c in expected),
-                seconds=time.perf_counter() - t0,
-                writers=len({t.dst_rank for t in plan.transfers}),
-            )
-        return error if error else index
-
-    def _write_replica_pack(self, stream: Iterator[memoryview], expected: list[ChunkRef]) -> PackIndex:
-        ctx = self.ctx
-        assert ctx.host_tier is not None
-        pack_id = layout.new_pack_id(self.step, ctx.host, ctx.rank)
-        whole = blake3.blake3()
-        entries: list[PackEntry] = []
-        offset = 0
-
-        def verified() -> Iterator[memoryview]:
-            nonlocal offset
-            for ref, view in zip(expected, stream, strict=True):
-                actual = digest(view)
-                if actual != ref.digest:
-                    raise ChecksumMismatch(
-                        f"step {self.step}: chunk {ref.index} of item {ref.key!r} arrived with BLAKE3 "
-                        f"{actual}, expected {ref.digest}"
-                    )
-                whole.update(view)
-                entries.append(PackEntry(ref.digest, offset, ref.length))
-                offset += ref.length
-                yield view
-
-        ctx.host_tier.write(layout.pack_path(pack_id), verified())
-        failpoints.hit("pipeline.after_replica_pack", rank=ctx.rank)
-        index = PackIndex(pack_id, offset, whole.hexdigest(), tuple(entries))
-        ctx.host_tier.write(layout.index_path(pack_id), index.encode())
-        return index
-
-    def _host_manifests(
-        self, plan: GroupPlan, reports: list[RankReport], results: list[Any]
-    ) -> dict[str, bytes]:
-        """One partial manifest per host: every item, locations of the chunks that host's tier holds."""
-        dcp = self._dcp_metadata()
-        by_host: dict[str, list[PackIndex]] = {h: [] for h in self.ctx.topology.hosts}
-        for rank, result in enumerate(results):
-            if isinstance(result, PackIndex):
-                by_host[self.ctx.topology.host_of(rank)].append(result)
-        out = {}
-        for host, indexes in by_host.items():
-            locations = {
-                e.digest: ChunkLocation(i.pack_id, e.offset, e.length) for i in indexes for e in i.entries
-            }
-            packs = {i.pack_id: PackRecord(i.size, i.blake3) for i in indexes}
-            out[host] = self._manifest(plan, reports, locations, packs, dcp, partial=True).encode()
-        return out
-
-    def _write_host_manifest(self, data: bytes) -> None:
-        """Write this host's manifest, adding the chunks it already held from earlier checkpoints.
-
-        The plan skips replicating a chunk the partner host already holds; this host's manifest
-        must then reference the pack that holds it, or retention could delete that pack with the
-        older manifest and B2 would silently stop being true.
-        """
-        ctx = self.ctx
-        assert ctx.host_tier is not None
-        where = f"{ctx.host_tier.url}/{layout.manifest_path(self.step)}"
-        manifest = decode_manifest(data, where)
-        catalog = ctx.host_catalog
-        if catalog is not None:
-            held = {
-                d: catalog.locations[d]
-                for item in manifest.items.values()
-                for d in item.chunks
-                if d not in manifest.locations and d in catalog.locations
-            }
-            if held:
-                packs = {**{held[d].pack: catalog.packs[held[d].pack] for d in held}, **manifest.packs}
-                manifest = dataclasses.replace(
-                    manifest, locations={**held, **manifest.locations}, packs=packs
-                )
-                data = manifest.encode()
-        failpoints.hit("pipeline.before_replica_manifest", rank=ctx.rank)
-        ctx.host_tier.write(layout.manifest_path(self.step), data)
-        if catalog is not None:
-            catalog.add_manifest(manifest)
-
     # -- C6, C7: drain and commit ------------------------------------------------------------
     def _drain(self, plan: GroupPlan) -> PackIndex | None:
+        """Write this rank's drain pack to the shared tier, straight from the slab."""
         ctx = self.ctx
         failpoints.hit("pipeline.before_drain", rank=ctx.rank)
         mine = plan.drain_for(ctx.rank)
         if mine is None or not mine.chunks:
             return None
-        builder = PackBuilder(layout.new_pack_id(self.step, ctx.host, ctx.rank))
-        for ref in mine.chunks:
-            builder.add(ref.digest, self._view(ref))
-        index = builder.index()
+        chunks = list(mine.chunks)
+        pack_id = layout.new_pack_id(self.step, ctx.host, ctx.rank)
+        starts = [self.items[c.key].offset + c.index * ctx.chunk_size for c in chunks]
         t0 = time.perf_counter()
-        ctx.shared.write(layout.pack_path(builder.pack_id), builder.buffers())
-        failpoints.hit("pipeline.after_pack", rank=ctx.rank)
-        ctx.shared.write(layout.index_path(builder.pack_id), index.encode())
-        drainers = sum(1 for d in plan.drains if d.chunks)
+        index = write_pack(
+            ctx.shared,
+            pack_id,
+            chunks,
+            slab_runs(self._slab(), starts, chunks),
+            what=f"step {self.step}: drain",
+            failpoint="pipeline.after_pack",
+            rank=ctx.rank,
+        )
         ctx.events.emit(
             "write",
             self.step,
             tier="shared",
             what="pack",
-            path=layout.pack_path(builder.pack_id),
-            bytes=builder.size,
+            path=layout.pack_path(pack_id),
+            bytes=index.size,
             seconds=time.perf_counter() - t0,
-            writers=drainers,
+            writers=sum(1 for d in plan.drains if d.chunks),
         )
         return index
 
-    def _commit(self, plan: GroupPlan, reports: list[RankReport], results: list[Any]) -> dict[str, Any]:
-        """Coordinator: manifest (B3), then ``COMMIT`` and ``LATEST`` (B4). Returns the outcome for C7.
+    def _commit(self, reports: list[RankReport], results: list[Any]) -> dict[str, Any]:
+        """Coordinator: the manifest from what was drained and what was kept, then the commit.
 
-        Before the manifest: every pack it references is on the shared tier whole
-        (:func:`~shoal.engine.catalog.require_packs`), and this process holds the job
-        (claimed here before its first commit; checked again before ``COMMIT`` and before
-        ``LATEST``). After a failure, :func:`~shoal.engine.fence.after_failed_commit` says
-        which error to report and whether the claim stands.
+        :class:`~shoal.engine.commit.CheckpointCommit` writes manifest (B3), ``COMMIT`` and
+        ``LATEST`` (B4), after checking that every referenced pack is there and that this
+        process holds the job. After a failure, :func:`~shoal.engine.fence.after_failed_commit`
+        says which error to report and whether the claim stands.
         """
         errors = [r for r in results if isinstance(r, str)]
         if errors:
             return {"reached": None, "error": "; ".join(errors)}
         ctx = self.ctx
-        reached: Boundary | None = None
+        commit: CheckpointCommit | None = None
         try:
             assert ctx.shared_catalog is not None
-            fence = self._fence()
-            new = {
-                e.digest: ChunkLocation(i.pack_id, e.offset, e.length)
-                for i in results
-                if isinstance(i, PackIndex)
-                for e in i.entries
-            }
-            new_packs = {i.pack_id: PackRecord(i.size, i.blake3) for i in results if isinstance(i, PackIndex)}
-            locations: dict[str, ChunkLocation] = {}
-            packs: dict[str, PackRecord] = {}
-            for r in reports:
-                for item in r.items:
-                    for d in item.digests:
-                        loc = new.get(d) or ctx.shared_catalog.locations[d]
-                        locations[d] = loc
-                        packs[loc.pack] = new_packs.get(loc.pack) or ctx.shared_catalog.packs[loc.pack]
-            manifest = self._manifest(plan, reports, locations, packs, self._dcp_metadata())
-            data = manifest.encode()
-            require_packs(ctx.shared, packs, f"step {self.step} not committed")
-            fence.check(ctx.shared, f"write the manifest of step {self.step}")
-            failpoints.hit("pipeline.before_manifest", rank=ctx.rank)
-            self._write_shared("manifest", layout.manifest_path(self.step), data)
-            reached = Boundary.PERSISTED
-            failpoints.hit("pipeline.before_commit", rank=ctx.rank)
-            pointer = Pointer(self.step, digest(data)).encode()
-            fence.check(ctx.shared, f"commit step {self.step}")
-            self._write_shared("commit", layout.commit_path(self.step), pointer)
-            try:
-                failpoints.hit("pipeline.before_latest", rank=ctx.rank)
-                fence.check(ctx.shared, f"move {layout.LATEST} to step {self.step}")
-                self._write_shared("latest", layout.LATEST, pointer)
-            except Exception:
-                # B4 means COMMIT *and* LATEST: take the commit record back, best effort, so that
-                # the tier says B3 as the handle does.
-                with contextlib.suppress(Exception):
-                    ctx.shared.delete(layout.commit_path(self.step))
-                raise
+            commit = CheckpointCommit(ctx.shared, self._fence(), self.step, rank=ctx.rank, record=self._wrote)
+            drained = Holdings.of_packs(i for i in results if isinstance(i, PackIndex))
+            kept = Holdings(ctx.shared_catalog.locations, ctx.shared_catalog.packs)
+            manifest = build_manifest(self._header(), _items(reports), [drained, kept])
+            commit.commit(manifest.encode(), manifest.packs)
             ctx.shared_catalog.add_manifest(manifest)
             return {"reached": Boundary.RESTARTABLE, "error": None}
         except Exception as e:
             ctx.shared_catalog = None  # rebuild from what the tier really holds
             if isinstance(ctx.writer, WriterFence):
                 e, ctx.writer = after_failed_commit(ctx.writer, ctx.shared, e, f"commit step {self.step}")
+            reached = None if commit is None else commit.reached
             return {"reached": reached, "error": self._local("commit", e)}
 
     def _fence(self) -> WriterFence:
@@ -580,20 +435,18 @@ class GroupSave:
         fence: WriterFence = ctx.writer
         return fence
 
-    def _write_shared(self, what: str, path: str, data: bytes) -> None:
-        t0 = time.perf_counter()
-        n = self.ctx.shared.write(path, data)
+    def _wrote(self, what: str, path: str, nbytes: int, seconds: float) -> None:
         self.ctx.events.emit(
-            "write", self.step, tier="shared", what=what, path=path, bytes=n,
-            seconds=time.perf_counter() - t0, writers=1,
+            "write", self.step, tier="shared", what=what, path=path, bytes=nbytes,
+            seconds=seconds, writers=1,
         )  # fmt: skip
 
     def _own_dcp(self) -> Mapping[str, Any] | None:
         """The DCP metadata this rank's ``finish`` delivered, if it ran DCP's finish."""
         return self.job.dcp if self.job.dcp_ready.is_set() and not self.job.aborted else None
 
-    def _dcp_metadata(self) -> Mapping[str, Any] | None:
-        """The checkpoint's DCP metadata, from the C1 report of the rank that ran DCP's ``finish``.
+    def _header(self) -> ManifestHeader:
+        """The checkpoint's manifest header; its DCP metadata from the C1 report of the finish rank.
 
         Checkpoints reach the protocol only once their gate opened, that is after ``finish``:
         the rank that ran it reported the metadata in C1. A save made without DCP metadata (a
@@ -601,38 +454,28 @@ class GroupSave:
         """
         if self.job.aborted:
             raise GroupFailure(f"step {self.step}: the save was aborted: {self.job.aborted}")
-        return self.dcp
-
-    def _manifest(
-        self,
-        plan: GroupPlan,
-        reports: list[RankReport],
-        locations: dict[str, ChunkLocation],
-        packs: dict[str, PackRecord],
-        dcp: Mapping[str, Any] | None,
-        *,
-        partial: bool = False,
-    ) -> Manifest:
+        assert self.plan is not None
         topo = self.ctx.topology
-        items = {
-            i.key: ItemRecord(i.key, r.rank, i.kind, i.nbytes, tuple(i.digests), i.dtype, i.shape)
-            for r in reports
-            for i in r.items
-        }
-        return Manifest(
+        plan = self.plan
+        return ManifestHeader(
             job=self.job.job,
             step=self.step,
             created=self.job.created,
             chunk_size=self.ctx.chunk_size,
-            items=items,
-            locations=locations,
-            packs=packs,
             world=WorldInfo(topo.world_size, topo.hosts, max(len(topo.ranks_on(h)) for h in topo.hosts)),
-            dcp=dcp,
             stats=Stats(plan.logical_bytes, plan.unique_bytes, plan.new_bytes),
             shoal_version=__version__,
-            partial=partial,
+            dcp=self.dcp,
             run=self.ctx.run_id,
             path=None if self.decision is None else self.decision.path,
             writer=None if self.ctx.writer is None else self.ctx.writer.writer_id,
         )
+
+
+def _items(reports: list[RankReport]) -> list[ItemRecord]:
+    """Every rank's reported items as manifest records."""
+    return [
+        ItemRecord(i.key, r.rank, i.kind, i.nbytes, tuple(i.digests), i.dtype, i.shape)
+        for r in reports
+        for i in r.items
+    ]

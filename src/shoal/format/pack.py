@@ -8,11 +8,8 @@ garbage-collected without any manifest.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-
-import blake3
 
 from shoal.errors import FormatError
 from shoal.format.names import check_digest, check_identifier
@@ -87,41 +84,3 @@ def decode_index(data: bytes, where: str) -> PackIndex:
             raise FormatError(f"{at}: bytes {off}..{off + length} lie past the pack's size {size}")
         entries.append(PackEntry(d, off, length))
     return PackIndex(pack_id, size, pack_digest, tuple(entries))
-
-
-class PackBuilder:
-    """Collects chunk views for one pack; yields them for a streaming write and builds the index.
-
-    No bytes are copied: the pack is written straight from the views (the DRAM slab).
-    """
-
-    def __init__(self, pack_id: str) -> None:
-        self.pack_id = check_identifier(pack_id, "pack id")
-        self._views: list[memoryview] = []
-        self._entries: list[PackEntry] = []
-        self._seen: set[str] = set()
-        self.size = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def add(self, digest: str, view: memoryview) -> PackEntry | None:
-        """Append a chunk; a digest already in this pack is skipped (returns None)."""
-        if digest in self._seen:
-            return None
-        entry = PackEntry(digest, self.size, view.nbytes)
-        self._seen.add(digest)
-        self._views.append(view)
-        self._entries.append(entry)
-        self.size += view.nbytes
-        return entry
-
-    def buffers(self) -> Iterator[memoryview]:
-        return iter(self._views)
-
-    def index(self) -> PackIndex:
-        """The index, with the digest of the whole pack (one more pass over the bytes)."""
-        h = blake3.blake3()
-        for v in self._views:
-            h.update(v)
-        return PackIndex(self.pack_id, self.size, h.hexdigest(), tuple(self._entries))
