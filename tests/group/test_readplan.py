@@ -6,8 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.errors import CheckpointNotFound
+from shoal.errors import CheckpointNotFound, ConfigError
 from shoal.group.readplan import SHARED, Candidate, ChunkRead, ReadPlan, Source, choose_checkpoint, plan_reads
+from shoal.tiers import TierCapabilities, register_tier, unregister_tier
+from shoal.tiers.local import PosixTier
+from shoal.tiers.roles import Role, kind_for
 
 HOSTS4 = ["h0", "h0", "h1", "h1"]
 
@@ -83,6 +86,56 @@ def test_a_chunk_held_only_on_another_host_is_read_there_and_sent():
     ((reader, _),) = plan.reads.items()
     assert reader in (2, 3)
     assert sorted(_deliveries(plan)) == [(reader, 0), (reader, 1)]
+
+
+def test_a_hosts_sources_are_ordered_by_their_tiers_read_preference():
+    slab = Source("dram", "h0", "r0-slot-0", 0, 10, slab=True)
+    srcs = [_shared("a"), _local("a", "h0"), _local("a", "h0", "dram"), slab]
+    (read,) = plan_reads({0: ["a"]}, {"a": 10}, {"a": srcs}, HOSTS4).reads_at(0)
+    assert [(s.tier, s.slab) for s in read.sources] == [
+        ("dram", True),  # a slab before a pack of the same kind
+        ("dram", False),
+        ("local", False),
+        (SHARED, False),
+    ]
+
+
+class _Nvme(PosixTier):
+    """A registered host-local kind read between DRAM and node-local disk."""
+
+    kind = "nvme"
+    capabilities = TierCapabilities(persistent=True, host_local=True, atomic_rename=True, read_preference=0)
+
+
+class _Tape(PosixTier):
+    kind = "tape"
+    capabilities = TierCapabilities(persistent=True, host_local=True, atomic_rename=True, read_preference=5)
+
+
+@pytest.fixture
+def nvme_and_tape():
+    register_tier("nvme", _Nvme)
+    register_tier("tape", _Tape)
+    yield
+    unregister_tier("nvme")
+    unregister_tier("tape")
+
+
+@pytest.mark.usefixtures("nvme_and_tape")
+def test_a_registered_kind_is_ordered_by_its_capabilities_not_its_name():
+    srcs = [_local("a", "h0", "tape"), _local("a", "h0"), _local("a", "h0", "nvme"), _shared("a")]
+    (read,) = plan_reads({0: ["a"]}, {"a": 10}, {"a": srcs}, HOSTS4).reads_at(0)
+    assert [s.tier for s in read.sources] == ["nvme", "local", "tape", SHARED]
+
+
+def test_a_source_of_a_kind_no_tier_implements_fails_clearly():
+    srcs = [_local("a", "h0"), _local("a", "h0", "floppy")]
+    with pytest.raises(ConfigError, match="unknown tier kind 'floppy'"):
+        plan_reads({0: ["a"]}, {"a": 10}, {"a": srcs}, HOSTS4)
+
+
+def test_shared_is_the_kind_of_the_shared_role():
+    assert SHARED == kind_for(Role.SHARED) == "shared"
 
 
 def test_a_rank_never_reads_another_hosts_tiers():

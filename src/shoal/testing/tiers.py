@@ -13,6 +13,10 @@ against ground truth rather than against itself::
         def write_around(self, tier, path, data): ...
         def read_around(self, tier, path): ...
         def files_around(self, tier): ...
+
+A tier that is a :class:`~shoal.tiers.slabs.SlabStore` also runs the slab tests (they skip
+for others), and every tier's :class:`~shoal.tiers.base.TierCapabilities` are checked for
+consistency with its class and the registry.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from shoal.errors import InvalidName, MissingFile, TierError
+from shoal.errors import InvalidName, MissingFile, OwnershipError, TierError
 from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities
+from shoal.tiers.registry import BUILT_IN_TIERS, TIER_CLASSES, read_preference, tier_class
+from shoal.tiers.roles import Role, kind_for
+from shoal.tiers.slabs import SlabLike, SlabStore
 
 MiB = 1 << 20
 
@@ -35,6 +42,19 @@ class Boom(RuntimeError):
 def _failing(parts: list[bytes]) -> Iterator[bytes]:
     yield from parts
     raise Boom("data source failed mid-write")
+
+
+def _slabs(tier: Tier) -> SlabStore:
+    """``tier`` as a slab store; the test is skipped for a tier that is not one."""
+    if not isinstance(tier, SlabStore):
+        pytest.skip(f"{type(tier).__name__} is not a SlabStore")
+    return tier
+
+
+def _read_slab(store: SlabStore, name: str, offset: int, nbytes: int) -> bytes:
+    out = bytearray(nbytes)
+    store.read_slab_into(name, offset, memoryview(out))
+    return bytes(out)
 
 
 class TierTests:
@@ -245,3 +265,126 @@ class TierTests:
         assert tier.url in repr(tier)
         tier.close()
         tier.close()
+
+    def test_capabilities_agree_with_the_class_and_the_registry(self, tier: Tier) -> None:
+        caps = tier.capabilities
+        declared = type(tier).capabilities  # what the registry reads for the kind
+        assert isinstance(declared, TierCapabilities)
+        assert (caps.persistent, caps.host_local, caps.read_preference) == (
+            declared.persistent,
+            declared.host_local,
+            declared.read_preference,
+        ), "an instance may refine only atomic_rename"
+        assert isinstance(caps.read_preference, int) and caps.read_preference >= 0
+        if tier.kind in TIER_CLASSES and tier_class(tier.kind) is type(tier):
+            assert read_preference(tier.kind) == caps.read_preference
+
+    def test_host_tiers_are_read_before_shared_storage(self, tier: Tier) -> None:
+        caps = tier.capabilities
+        shared = read_preference(kind_for(Role.SHARED))
+        host_kinds = [k for k in BUILT_IN_TIERS if tier_class(k).capabilities.host_local]
+        if caps.host_local:
+            assert caps.read_preference < shared, "a host's own copy is read before shared storage"
+        else:
+            assert all(caps.read_preference >= read_preference(k) for k in host_kinds), (
+                "a job-wide tier is never read before a host's own tiers"
+            )
+
+    # -- slabs (tiers that are a SlabStore) -------------------------------------------------
+
+    def test_slab_is_writable_and_outlives_close(self, tier: Tier) -> None:
+        store = _slabs(tier)
+        slab = store.open_slab("slot-0", 10_000)
+        assert isinstance(slab, SlabLike)
+        assert slab.capacity >= 10_000
+        buf = slab.buffer
+        assert not buf.readonly and buf.nbytes == slab.capacity
+        buf[:5] = b"hello"
+        buf[9_995:10_000] = b"world"
+        del buf
+        assert _read_slab(store, "slot-0", 0, 5) == b"hello"
+        slab.close()
+        slab.close()
+        assert slab.capacity == 0
+        with pytest.raises(ValueError):
+            _ = slab.buffer
+        again = store.open_slab("slot-0", 100)
+        assert again.capacity >= 10_000, "an existing slab is reused, not shrunk"
+        assert bytes(again.buffer[:5]) == b"hello"
+        assert _read_slab(store, "slot-0", 9_995, 5) == b"world"
+        again.close()
+
+    def test_slab_grows_keeping_its_content(self, tier: Tier) -> None:
+        store = _slabs(tier)
+        slab = store.open_slab("grow", 100)
+        small = slab.capacity
+        slab.buffer[:4] = b"keep"
+        slab.ensure(small)  # no-op
+        assert slab.capacity == small
+        slab.ensure(small * 3 + 1)
+        assert slab.capacity >= small * 3 + 1
+        buf = slab.buffer
+        assert buf.nbytes == slab.capacity and bytes(buf[:4]) == b"keep"
+        buf[slab.capacity - 1 : slab.capacity] = b"z"
+        del buf
+        assert _read_slab(store, "grow", slab.capacity - 1, 1) == b"z"
+        with pytest.raises(ValueError):
+            slab.ensure(-1)
+        slab.close()
+
+    def test_exclusive_slab_is_never_an_existing_one(self, tier: Tier) -> None:
+        store = _slabs(tier)
+        fresh = store.open_slab("mine", 64, exclusive=True)
+        fresh.close()
+        with pytest.raises(OwnershipError, match="mine"):
+            store.open_slab("mine", 64, exclusive=True)
+        store.delete_slab("mine")
+        store.open_slab("mine", 64, exclusive=True).close()
+
+    def test_slabs_are_listed_apart_from_files_and_deleted(self, tier: Tier) -> None:
+        store = _slabs(tier)
+        assert store.list_slabs() == {}
+        tier.write("f", b"file")
+        for name in ("b", "a"):
+            store.open_slab(name, 1000).close()
+        slabs = store.list_slabs()
+        assert list(slabs) == ["a", "b"]
+        assert all(size >= 1000 for size in slabs.values())
+        assert tier.list() == ["f"], "slabs are not files of the tier"
+        store.delete_slab("a")
+        store.delete_slab("a")  # missing is no error
+        store.delete_slab("never-there")
+        assert list(store.list_slabs()) == ["b"]
+        with pytest.raises(MissingFile):
+            store.read_slab_into("a", 0, memoryview(bytearray(1)))
+        assert tier.read("f") == b"file"
+
+    def test_slab_reads_past_the_end_are_missing(self, tier: Tier) -> None:
+        store = _slabs(tier)
+        slab = store.open_slab("s", 100)
+        end = slab.capacity
+        slab.close()
+        assert _read_slab(store, "s", end - 3, 3) == bytes(3)
+        with pytest.raises(MissingFile):
+            store.read_slab_into("s", end - 3, memoryview(bytearray(4)))
+        with pytest.raises(MissingFile):
+            store.read_slab_into("nope", 0, memoryview(bytearray(1)))
+
+    @pytest.mark.parametrize("name", ["", "../x", "a/b", ".hidden", "a\x00b"])
+    def test_slab_names_are_identifiers(self, tier: Tier, name: str) -> None:
+        store = _slabs(tier)
+        with pytest.raises(InvalidName):
+            store.open_slab(name, 10)
+        with pytest.raises(InvalidName):
+            store.delete_slab(name)
+        with pytest.raises(InvalidName):
+            store.read_slab_into(name, 0, memoryview(bytearray(1)))
+        assert store.list_slabs() == {}
+
+    def test_closing_the_tier_closes_its_slabs(self, tier: Tier) -> None:
+        store = _slabs(tier)
+        slab = store.open_slab("c", 10)
+        slab.buffer[:1] = b"x"
+        tier.close()
+        assert slab.capacity == 0
+        assert _read_slab(store, "c", 0, 1) == b"x"
