@@ -247,9 +247,8 @@ def check_format(fmt: Any, where: str) -> tuple[int, int]:
 
 def decode_manifest(data: bytes, where: str) -> Manifest:
     """Parse and validate manifest bytes; ``where`` (tier url and path) appears in every error."""
-    doc = load_json(data, f"manifest {where}")
     r = _Reader(where)
-    doc = r.obj(doc, "top level")
+    doc = r.obj(load_json(data, f"manifest {where}"), "top level")
     check_format(doc.get("format"), where)
     job = r.checked(check_identifier, r.get(doc, "job", ""), "job", "job")
     step = r.checked(check_step, r.get(doc, "step", ""), "step")
@@ -260,17 +259,69 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     hash_name = r.get(doc, "hash", "")
     if hash_name != HASH_NAME:
         raise r.fail("hash", f"{_shown(hash_name)} is not supported (only {HASH_NAME!r})")
+    packs = _packs(r, r.obj(r.get(doc, "packs", ""), "packs"))
+    locations = _locations(r, r.obj(r.get(doc, "locations", ""), "locations"), packs, chunk_size)
+    w = r.obj(doc.get("world", {}), "world")
+    world = _world(r, w)
+    partial = doc.get("partial", False)
+    if not isinstance(partial, bool):
+        raise r.fail("partial", f"expected true or false, got {_shown(partial)}")
+    layout = _Layout(chunk_size, locations, world.size if "size" in w else None, partial)
+    items = {key: _item(r, key, rec, layout) for key, rec in r.obj(r.get(doc, "items", ""), "items").items()}
+    s = r.obj(doc.get("stats", {}), "stats")
+    stats = Stats(
+        *(r.integer(s.get(k, 0), f"stats.{k}") for k in ("logical_bytes", "unique_bytes", "written_bytes"))
+    )
+    dcp = doc.get("dcp")
+    run, writer, path = doc.get("run"), doc.get("writer"), doc.get("path")
+    if path is not None and path not in ("partner", "direct"):
+        raise r.fail("path", f"expected 'partner' or 'direct', got {str(path)[:40]!r}")
+    return Manifest(
+        job=job,
+        step=step,
+        created=created,
+        chunk_size=chunk_size,
+        items=items,
+        locations=locations,
+        packs=packs,
+        world=world,
+        dcp=None if dcp is None else r.obj(dcp, "dcp"),
+        stats=stats,
+        shoal_version=r.string(doc.get("shoal_version", "0"), "shoal_version"),
+        partial=partial,
+        run=None if run is None else r.string(run, "run"),
+        writer=None if writer is None else r.string(writer, "writer"),
+        path=path,
+    )
 
+
+@dataclass(frozen=True)
+class _Layout:
+    """What an item's record is checked against."""
+
+    chunk_size: int
+    locations: Mapping[str, ChunkLocation]
+    world_size: int | None
+    """``world.size`` when the manifest states it (absent: the default, not a fact to check ranks by)."""
+    partial: bool
+
+
+def _packs(r: _Reader, doc: Mapping[str, Any]) -> dict[str, PackRecord]:
     packs: dict[str, PackRecord] = {}
-    for pid, prec in r.obj(r.get(doc, "packs", ""), "packs").items():
+    for pid, prec in doc.items():
         r.checked(check_identifier, pid, f"packs[{pid!r}]", "pack id")
         prec = r.obj(prec, f"packs[{pid!r}]")
         size = r.integer(r.get(prec, "size", f"packs[{pid!r}]."), f"packs[{pid!r}].size")
         pdig = r.digest(r.get(prec, "blake3", f"packs[{pid!r}]."), f"packs[{pid!r}].blake3")
         packs[pid] = PackRecord(size, pdig)
+    return packs
 
+
+def _locations(
+    r: _Reader, doc: Mapping[str, Any], packs: Mapping[str, PackRecord], chunk_size: int
+) -> dict[str, ChunkLocation]:
     locations: dict[str, ChunkLocation] = {}
-    for dig, loc in r.obj(r.get(doc, "locations", ""), "locations").items():
+    for dig, loc in doc.items():
         at = f"locations[{dig[:16]!r}...]"
         r.digest(dig, at)
         loc = r.array(loc, at)
@@ -285,91 +336,64 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         if off + length > packs[pid].size:
             raise r.fail(at, f"bytes {off}..{off + length} lie past pack {pid!r}'s size {packs[pid].size}")
         locations[dig] = ChunkLocation(pid, off, length)
+    return locations
 
-    w = r.obj(doc.get("world", {}), "world")
+
+def _world(r: _Reader, w: Mapping[str, Any]) -> WorldInfo:
     hosts = tuple(
         r.string(h, f"world.hosts[{i}]") for i, h in enumerate(r.array(w.get("hosts", []), "world.hosts"))
     )
-    world = WorldInfo(
+    return WorldInfo(
         r.integer(w.get("size", 1), "world.size", minimum=1),
         hosts,
         r.integer(w.get("ranks_per_node", 1), "world.ranks_per_node", minimum=1),
     )
-    world_size = world.size if "size" in w else None  # absent: the default, not a fact to check ranks by
-    partial = doc.get("partial", False)
-    if not isinstance(partial, bool):
-        raise r.fail("partial", f"expected true or false, got {_shown(partial)}")
-    items: dict[str, ItemRecord] = {}
-    for key, rec in r.obj(r.get(doc, "items", ""), "items").items():
-        at = f"items[{key!r}]"
-        r.checked(check_item_key, key, at)
-        rec = r.obj(rec, at)
-        kind = r.get(rec, "kind", f"{at}.")
-        if kind not in ITEM_KINDS:
-            raise r.fail(f"{at}.kind", f"expected one of {ITEM_KINDS}, got {_shown(kind)}")
-        nbytes = r.integer(r.get(rec, "nbytes", f"{at}."), f"{at}.nbytes")
-        rank = r.integer(r.get(rec, "rank", f"{at}."), f"{at}.rank")
-        if world_size is not None and rank >= world_size:
-            raise r.fail(f"{at}.rank", f"rank {rank} is not below world.size {world_size}")
-        dtype = rec.get("dtype")
-        shape_raw = rec.get("shape")
-        shape: tuple[int, ...] | None = None
-        if (kind == "tensor" or dtype is not None) and (
-            not isinstance(dtype, str) or not _DTYPE_RE.fullmatch(dtype)
-        ):
-            raise r.fail(f"{at}.dtype", f"expected a dtype name, got {_shown(dtype)}")
-        if kind == "tensor" or shape_raw is not None:
-            shape = tuple(
-                r.integer(s, f"{at}.shape[{i}]") for i, s in enumerate(r.array(shape_raw, f"{at}.shape"))
-            )
-        chunks = r.array(r.get(rec, "chunks", f"{at}."), f"{at}.chunks")
-        expected = -(-nbytes // chunk_size)
-        if len(chunks) != expected:
-            raise r.fail(f"{at}.chunks", f"{len(chunks)} chunks for {nbytes} bytes; expected {expected}")
-        for i, d in enumerate(chunks):
-            r.digest(d, f"{at}.chunks[{i}]")
-            if d not in locations:
-                if partial:
-                    continue
-                raise r.fail(f"{at}.chunks[{i}]", f"chunk {d} has no entry in 'locations'")
-            want = min(chunk_size, nbytes - i * chunk_size)
-            if locations[d].length != want:
-                raise r.fail(
-                    f"{at}.chunks[{i}]",
-                    f"chunk {d} is {locations[d].length} bytes in its pack; expected {want}",
-                )
-        items[key] = ItemRecord(key, rank, kind, nbytes, tuple(chunks), dtype, shape)
 
-    s = r.obj(doc.get("stats", {}), "stats")
-    stats = Stats(
-        *(r.integer(s.get(k, 0), f"stats.{k}") for k in ("logical_bytes", "unique_bytes", "written_bytes"))
-    )
-    dcp = doc.get("dcp")
-    if dcp is not None:
-        dcp = r.obj(dcp, "dcp")
-    version = doc.get("shoal_version", "0")
-    run = doc.get("run")
-    writer = doc.get("writer")
-    path = doc.get("path")
-    if path is not None and path not in ("partner", "direct"):
-        raise r.fail("path", f"expected 'partner' or 'direct', got {str(path)[:40]!r}")
-    return Manifest(
-        job=job,
-        step=step,
-        created=created,
-        chunk_size=chunk_size,
-        items=items,
-        locations=locations,
-        packs=packs,
-        world=world,
-        dcp=dcp,
-        stats=stats,
-        shoal_version=r.string(version, "shoal_version"),
-        partial=partial,
-        run=None if run is None else r.string(run, "run"),
-        writer=None if writer is None else r.string(writer, "writer"),
-        path=path,
-    )
+
+def _item(r: _Reader, key: str, rec: Any, layout: _Layout) -> ItemRecord:
+    at = f"items[{key!r}]"
+    r.checked(check_item_key, key, at)
+    rec = r.obj(rec, at)
+    kind = r.get(rec, "kind", f"{at}.")
+    if kind not in ITEM_KINDS:
+        raise r.fail(f"{at}.kind", f"expected one of {ITEM_KINDS}, got {_shown(kind)}")
+    nbytes = r.integer(r.get(rec, "nbytes", f"{at}."), f"{at}.nbytes")
+    rank = r.integer(r.get(rec, "rank", f"{at}."), f"{at}.rank")
+    if layout.world_size is not None and rank >= layout.world_size:
+        raise r.fail(f"{at}.rank", f"rank {rank} is not below world.size {layout.world_size}")
+    dtype = rec.get("dtype")
+    shape_raw = rec.get("shape")
+    shape: tuple[int, ...] | None = None
+    if (kind == "tensor" or dtype is not None) and (
+        not isinstance(dtype, str) or not _DTYPE_RE.fullmatch(dtype)
+    ):
+        raise r.fail(f"{at}.dtype", f"expected a dtype name, got {_shown(dtype)}")
+    if kind == "tensor" or shape_raw is not None:
+        shape = tuple(
+            r.integer(s, f"{at}.shape[{i}]") for i, s in enumerate(r.array(shape_raw, f"{at}.shape"))
+        )
+    chunks = r.array(r.get(rec, "chunks", f"{at}."), f"{at}.chunks")
+    _check_chunks(r, at, nbytes, chunks, layout)
+    return ItemRecord(key, rank, kind, nbytes, tuple(chunks), dtype, shape)
+
+
+def _check_chunks(r: _Reader, at: str, nbytes: int, chunks: list[Any], layout: _Layout) -> None:
+    chunk_size, locations = layout.chunk_size, layout.locations
+    expected = -(-nbytes // chunk_size)
+    if len(chunks) != expected:
+        raise r.fail(f"{at}.chunks", f"{len(chunks)} chunks for {nbytes} bytes; expected {expected}")
+    for i, d in enumerate(chunks):
+        r.digest(d, f"{at}.chunks[{i}]")
+        if d not in locations:
+            if layout.partial:
+                continue
+            raise r.fail(f"{at}.chunks[{i}]", f"chunk {d} has no entry in 'locations'")
+        want = min(chunk_size, nbytes - i * chunk_size)
+        if locations[d].length != want:
+            raise r.fail(
+                f"{at}.chunks[{i}]",
+                f"chunk {d} is {locations[d].length} bytes in its pack; expected {want}",
+            )
 
 
 @dataclass(frozen=True)
