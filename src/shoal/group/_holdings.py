@@ -125,6 +125,40 @@ def _one_class_each(
     return sizes if len(held) == n_items and bool((held == np.arange(n_items)).all()) else None
 
 
+def _one_class_holders(
+    nbytes: np.ndarray, class_slots: list[list[int]], sizes: np.ndarray
+) -> tuple[np.ndarray, list[tuple[int, ...]], int]:
+    """:func:`_holders` when every item is held by one class only (a fully sharded job)."""
+    per_class = np.fromiter(map(len, class_slots), np.int64, len(class_slots))
+    first = np.fromiter(map(itemgetter(0), class_slots), np.int64, len(class_slots))
+    in_set = per_class > 1  # held by the class's slots: sets -1, -2, ... in class order
+    codes = np.where(in_set, -np.cumsum(in_set, dtype=np.int64), first)
+    holder = np.repeat(codes, sizes)
+    alone = not in_set.any()
+    logical = int(nbytes.sum()) if alone else int((nbytes * np.repeat(per_class, sizes)).sum())
+    return holder, [tuple(x) for x in class_slots if len(x) > 1], logical
+
+
+def _first_classes(
+    held: np.ndarray, cid: np.ndarray, n_items: int
+) -> tuple[np.ndarray, dict[int, list[int]]]:
+    """The first class holding each item (-1: none), and every class of the (rare) items held by several."""
+    first_class = np.full(n_items, -1, dtype=np.int64)
+    times = np.bincount(held, minlength=n_items)
+    once = times[held] == 1
+    first_class[held[once]] = cid[once]
+    shared: dict[int, list[int]] = {}  # item -> every class holding it, when more than one
+    for item, c in zip(held[~once].tolist(), cid[~once].tolist(), strict=True):
+        holding = shared.setdefault(item, [])
+        if not holding or holding[-1] != c:
+            holding.append(c)
+    for item, in_order in list(shared.items()):
+        first_class[item] = in_order[0]
+        if len(in_order) == 1:
+            del shared[item]
+    return first_class, shared
+
+
 def _holders(
     nbytes: np.ndarray,
     template_items: Split,
@@ -145,15 +179,7 @@ def _holders(
         return np.zeros(0, dtype=np.int64), [], 0
     sizes = None if len(ex_item) else _one_class_each(template_items, classes, n_items)
     if sizes is not None:
-        # Every item held by one class only (a fully sharded job): no per-class numpy.
-        per_class = np.fromiter(map(len, class_slots), np.int64, len(class_slots))
-        first = np.fromiter(map(itemgetter(0), class_slots), np.int64, len(class_slots))
-        in_set = per_class > 1  # held by the class's slots: sets -1, -2, ... in class order
-        codes = np.where(in_set, -np.cumsum(in_set, dtype=np.int64), first)
-        holder = np.repeat(codes, sizes)
-        alone = not in_set.any()
-        logical = int(nbytes.sum()) if alone else int((nbytes * np.repeat(per_class, sizes)).sum())
-        return holder, [tuple(x) for x in class_slots if len(x) > 1], logical
+        return _one_class_holders(nbytes, class_slots, sizes)
     # Every (class, item) pair at once: the items of each class's template, less those it lacks.
     helds = [
         np.delete(template_items[tid], lacked) if lacked else template_items[tid] for tid, lacked in classes
@@ -163,20 +189,7 @@ def _holders(
     cid = np.repeat(np.arange(len(helds), dtype=np.int64), sizes)
     n_slots = np.array([len(x) for x in class_slots], dtype=np.int64)
     logical = int(nbytes[ex_item].sum()) + int((nbytes[held] * n_slots[cid]).sum())
-    # First class holding each item; items held by several classes (rare) one by one, in order.
-    first_class = np.full(n_items, -1, dtype=np.int64)
-    times = np.bincount(held, minlength=n_items)
-    once = times[held] == 1
-    first_class[held[once]] = cid[once]
-    shared: dict[int, list[int]] = {}  # item -> every class holding it, when more than one
-    for item, c in zip(held[~once].tolist(), cid[~once].tolist(), strict=True):
-        holding = shared.setdefault(item, [])
-        if not holding or holding[-1] != c:
-            holding.append(c)
-    for item, in_order in list(shared.items()):
-        first_class[item] = in_order[0]
-        if len(in_order) == 1:
-            del shared[item]
+    first_class, shared = _first_classes(held, cid, n_items)
 
     sets: list[tuple[int, ...]] = []
     set_ids: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}

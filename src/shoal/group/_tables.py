@@ -326,31 +326,9 @@ def _dedup(
     n_tpl = np.array([len(t.keys) for t in tpl], dtype=np.int64)
     n_ex = np.array([len(p) for p in extra_pos], dtype=np.int64)
     n_tpl_items = int(n_tpl.sum())
-    # Candidate items: every template's items, then the extras; their source table and position.
-    src = np.concatenate(
-        [
-            np.repeat(np.array(templates, dtype=np.int64), n_tpl),
-            np.repeat(np.array(extra_slot, dtype=np.int64), n_ex),
-        ]
-    )
-    pos = np.concatenate(
-        [np.arange(n_tpl_items, dtype=np.int64) - np.repeat(np.cumsum(n_tpl) - n_tpl, n_tpl), *extra_pos]
-    )
+    src, pos = _candidates(templates, n_tpl, extra_slot, extra_pos)
     extras = [(tables[s], p) for s, p in zip(extra_slot, extra_pos, strict=True)]
-
-    def column(name: str) -> np.ndarray:
-        """A per-item column of the candidates: templates' whole, extras' at their positions."""
-        parts = [getattr(t, name) for t in tpl] + [getattr(t, name)[p] for t, p in extras]
-        return np.concatenate([_NONE, *parts]).astype(np.int64, copy=False)
-
-    nbytes = column("nbytes")
-    chunk_sizes = {t.chunk_size for t in tpl} | {t.chunk_size for t, _ in extras}
-    if None in chunk_sizes:
-        count, item_bytes = column("counts"), column("item_bytes")
-    else:  # chunk counts follow the sizes, and the items' bytes are their sizes
-        one = chunk_sizes.pop() if len(chunk_sizes) == 1 else None
-        count = -(-nbytes // one) if one is not None else column("counts")
-        item_bytes = nbytes
+    nbytes, count, item_bytes = _sizes(tpl, extras)
     start = np.cumsum(count) - count
     total = int(count.sum())
 
@@ -396,19 +374,69 @@ def _dedup(
     )
     store = TableStore(tables, src, pos, layout)
     h = Holdings(store, holder, sets, logical, count, item_bytes, d_start, None, seen=tables)
+    _mark_duplicates(h, groups, start, is_rep, did, d_start)
+    return h
+
+
+def _candidates(
+    templates: list[int], n_tpl: np.ndarray, extra_slot: list[int], extra_pos: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Candidate items: every template's items, then the extras; their source table and position."""
+    n_ex = np.array([len(p) for p in extra_pos], dtype=np.int64)
+    src = np.concatenate(
+        [
+            np.repeat(np.array(templates, dtype=np.int64), n_tpl),
+            np.repeat(np.array(extra_slot, dtype=np.int64), n_ex),
+        ]
+    )
+    n_tpl_items = int(n_tpl.sum())
+    pos = np.concatenate(
+        [np.arange(n_tpl_items, dtype=np.int64) - np.repeat(np.cumsum(n_tpl) - n_tpl, n_tpl), *extra_pos]
+    )
+    return src, pos
+
+
+def _sizes(
+    tpl: list[ChunkTable], extras: list[tuple[ChunkTable, np.ndarray]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per candidate item: its size, its chunk count and the bytes its chunks cover."""
+
+    def column(name: str) -> np.ndarray:
+        """A per-item column of the candidates: templates' whole, extras' at their positions."""
+        parts = [getattr(t, name) for t in tpl] + [getattr(t, name)[p] for t, p in extras]
+        return np.concatenate([_NONE, *parts]).astype(np.int64, copy=False)
+
+    nbytes = column("nbytes")
+    chunk_sizes = {t.chunk_size for t in tpl} | {t.chunk_size for t, _ in extras}
+    if None in chunk_sizes:
+        return nbytes, column("counts"), column("item_bytes")
+    # chunk counts follow the sizes, and the items' bytes are their sizes
+    one = chunk_sizes.pop() if len(chunk_sizes) == 1 else None
+    count = -(-nbytes // one) if one is not None else column("counts")
+    return nbytes, count, nbytes
+
+
+def _mark_duplicates(
+    h: Holdings,
+    groups: list[np.ndarray],
+    start: np.ndarray,
+    is_rep: np.ndarray,
+    did: np.ndarray,
+    d_start: np.ndarray,
+) -> None:
+    """Chunks of several candidates: record them as duplicates where they are in distinct items."""
     places: dict[int, list[int]] = {}
-    for g in groups:  # chunks of several candidates: duplicates where they are in distinct items
+    for g in groups:
         it = np.searchsorted(start, g, side="right") - 1
         mine = is_rep[it]
         if mine.sum() > 1:
             at = (d_start[did[it[mine]]] + (g[mine] - start[it[mine]])).tolist()
             places[at[0]] = at
     if places:
-        canon = np.arange(int(count.sum()), dtype=np.int64)
+        canon = np.arange(int(h.count.sum()), dtype=np.int64)
         for p0, ps in places.items():
             canon[ps] = p0
         h.dups = duplicates_at(h, canon, places)
-    return h
 
 
 def _same_items(
