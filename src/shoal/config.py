@@ -143,6 +143,9 @@ class Config:
 
         The host id is, first found: ``host_id``; ``$SHOAL_HOST_ID``; ``node<rank // ranks_per_node>``
         when ``ranks_per_node`` is set; the hostname (so torchrun's ranks of one node share it).
+        This is the one place a host id is resolved. torchrun's ``$GROUP_RANK`` is deliberately
+        not used: an elastic restart may give a node another group rank, and the host id names
+        the node's own DRAM and disk, which must be found again after the restart.
         """
         host = self.host_id or os.environ.get(ENV_HOST_ID)
         if not host and self.ranks_per_node:
