@@ -284,38 +284,36 @@ class ChunkRuns:
         return sum(map(sum, self.lengths))
 
 
+class _Runs:
+    """Chunks held as :class:`ChunkRuns` (``runs``), read as :class:`ChunkRef` s and counted in bytes."""
+
+    runs: ChunkRuns
+
+    @property
+    def chunks(self) -> tuple[ChunkRef, ...]:
+        return tuple(self.runs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.runs.nbytes
+
+
 @dataclass(frozen=True)
-class DrainAssignment:
+class DrainAssignment(_Runs):
     """The chunks one rank writes to the shared tier, from its own staged state."""
 
     rank: int
     host: str
     runs: ChunkRuns
 
-    @property
-    def chunks(self) -> tuple[ChunkRef, ...]:
-        return tuple(self.runs)
-
-    @property
-    def nbytes(self) -> int:
-        return self.runs.nbytes
-
 
 @dataclass(frozen=True)
-class Transfer:
+class Transfer(_Runs):
     """One point-to-point stream of chunks, found in the *sender's* staged state."""
 
     src_rank: int
     dst_rank: int
     runs: ChunkRuns
-
-    @property
-    def chunks(self) -> tuple[ChunkRef, ...]:
-        return tuple(self.runs)
-
-    @property
-    def nbytes(self) -> int:
-        return self.runs.nbytes
 
 
 @dataclass(frozen=True)
