@@ -96,7 +96,7 @@ def test_sharded_tensor_saved_in_shards_loads_into_other_layouts(config, process
         state = {"emb": _sharded(full, 2)}
         with shoal.Checkpointer(config) as ckpt:
             ckpt.save(1, state).wait(timeout=60)
-            manifest_keys = set(ckpt._resolve_manifest(1).items)
+            manifest_keys = set(ckpt.runtime.resolve_manifest(1).items)
             assert manifest_keys == {"emb@0_0", "emb@24_0"}  # one item per saved shard
             # two saved shards -> one plain tensor (each read takes one stored item)
             plain = {"emb": torch.zeros(48, 16)}

@@ -51,7 +51,7 @@ def test_one_host_takes_the_direct_path_and_says_so(tmp_path, dram_root):
         handle = ckpt.save(1, {"w": __import__("torch").ones(8)})
         handle.wait(shoal.Boundary.RESTARTABLE, timeout=60)
         assert handle.path == DIRECT and "one host" in (handle.path_reason or "")
-        assert ckpt._resolve_manifest(1).path == DIRECT
+        assert ckpt.runtime.resolve_manifest(1).path == DIRECT
 
 
 def test_four_ranks_alternating_partner_and_direct_checkpoint_by_checkpoint(tmp_path):

@@ -125,7 +125,7 @@ def test_a_dict_saved_as_one_item_loads_by_default(roots):
         planner = shoal.dcp.SavePlanner(flatten_state_dict=False)
         dcp.save({"meta": meta, "t": torch.ones(3)}, storage_writer=writer, planner=planner, no_dist=True)
         writer.handle.wait(shoal.Boundary.RESTARTABLE, timeout=60)
-        assert ckpt._resolve_manifest(1).items["meta"].kind == "bytes"
+        assert ckpt.runtime.resolve_manifest(1).items["meta"].kind == "bytes"
     with shoal.Checkpointer(_config(roots, "reader")) as ckpt, warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         out: dict[str, Any] = {"meta": None, "t": torch.zeros(3)}

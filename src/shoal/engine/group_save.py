@@ -116,12 +116,12 @@ class GroupSave:
             reports = self._collective(ctx.fabric.gather, report)  # C1
             if reports is not None:  # the coordinator: DCP's metadata, its own or the finish rank's
                 self.dcp = self._own_dcp() or next((r.dcp for r in reports if r.dcp is not None), None)
-            h._reach_at_least(Boundary.STAGED)  # every rank has staged and reported
+            h.reach_at_least(Boundary.STAGED)  # every rank has staged and reported
             self._emit_boundary(Boundary.STAGED)
             target = Boundary.REPLICATED if ctx.replicate else Boundary.PERSISTED
             plan, decision = self._agree_on_plan(reports)  # C2
             self.plan, self.decision = plan, decision
-            h._set_path(decision.path, decision.reason)
+            h.set_path(decision.path, decision.reason)
             ctx.events.emit("path", self.step, path=decision.path, reason=decision.reason)
             replicate = decision.path == PARTNER
             target = Boundary.REPLICATED if replicate else Boundary.PERSISTED
@@ -153,7 +153,7 @@ class GroupSave:
                     e.__cause__ = self.local_error
             log.error("step %d failed before %s: %s: %s", self.step, target.label, type(e).__name__, e)
             self.ctx.events.emit("failed", self.step, boundary=target.name, error=f"{type(e).__name__}: {e}")
-            h._fail(target, e)
+            h.fail(target, e)
         finally:
             self._record_path()
 
@@ -196,7 +196,7 @@ class GroupSave:
             return self._local(phase, e)
 
     def _reach(self, boundary: Boundary) -> None:
-        self.job.handle._reach_at_least(boundary)
+        self.job.handle.reach_at_least(boundary)
         self._emit_boundary(boundary)
 
     def _emit_boundary(self, boundary: Boundary) -> None:

@@ -38,9 +38,6 @@ class SaveHandle:
             state += f", failed before {self._failed_at.name if self._failed_at else '?'}"
         return f"SaveHandle(step={self.step}, {state})"
 
-    def _set_path(self, path: str, reason: str) -> None:
-        self.path, self.path_reason = path, reason
-
     # -- read side ---------------------------------------------------------
     @property
     def reached(self) -> Boundary | None:
@@ -106,8 +103,16 @@ class SaveHandle:
                     )
                 self._cond.wait(remaining)
 
-    # -- write side (engine only) -------------------------------------------
-    def _reach(self, boundary: Boundary) -> float:
+    # -- write side: the engine's (as a Future's set_result is its executor's) ----------------
+    def set_path(self, path: str, reason: str) -> None:
+        """Record the durability path the coordinator chose, and why."""
+        self.path, self.path_reason = path, reason
+
+    def reach(self, boundary: Boundary) -> float:
+        """Record ``boundary`` (and every one before it) as reached now; return the seconds taken.
+
+        Boundaries only move forward: reporting one at or below the last is a ``RuntimeError``.
+        """
         with self._cond:
             if self._reached is not None and boundary <= self._reached:
                 raise RuntimeError(f"boundary {boundary.name} reported after {self._reached.name}")
@@ -121,7 +126,7 @@ class SaveHandle:
             self._cond.notify_all()
             return elapsed
 
-    def _reach_at_least(self, boundary: Boundary) -> None:
+    def reach_at_least(self, boundary: Boundary) -> None:
         """Record ``boundary`` unless it (or a later one) is recorded already.
 
         For boundaries two parties may observe, such as B1: the training thread sees it
@@ -130,11 +135,17 @@ class SaveHandle:
         with self._cond:
             if self._reached is not None and self._reached >= boundary:
                 return
-        self._reach(boundary)
+        self.reach(boundary)
 
-    def _fail(self, boundary: Boundary, error: BaseException) -> None:
+    def fail(self, boundary: Boundary, error: BaseException) -> None:
+        """Record that the checkpoint could not reach ``boundary`` because of ``error``; it is finished."""
         with self._cond:
             self._error = error
             self._failed_at = boundary
             self._finished = True
             self._cond.notify_all()
+
+    # Old names, until every caller uses the public ones.
+    _reach_at_least = reach_at_least
+    _fail = fail
+    _set_path = set_path

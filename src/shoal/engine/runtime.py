@@ -420,7 +420,7 @@ class Runtime:
             job = self._staging.pop(step, None)
         if job is not None:
             self._ring.release(job.slot)
-            job.handle._fail(Boundary.STAGED, error)
+            job.handle.fail(Boundary.STAGED, error)
 
     def watch(self, handle: SaveHandle) -> None:
         """Remember ``handle`` until it finishes; a B4 drops the leftovers it supersedes."""

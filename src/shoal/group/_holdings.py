@@ -128,7 +128,7 @@ def _one_class_each(
 def _one_class_holders(
     nbytes: np.ndarray, class_slots: list[list[int]], sizes: np.ndarray
 ) -> tuple[np.ndarray, list[tuple[int, ...]], int]:
-    """:func:`_holders` when every item is held by one class only (a fully sharded job)."""
+    """:func:`holders_of` when every item is held by one class only (a fully sharded job)."""
     per_class = np.fromiter(map(len, class_slots), np.int64, len(class_slots))
     first = np.fromiter(map(itemgetter(0), class_slots), np.int64, len(class_slots))
     in_set = per_class > 1  # held by the class's slots: sets -1, -2, ... in class order
@@ -159,7 +159,7 @@ def _first_classes(
     return first_class, shared
 
 
-def _holders(
+def holders_of(
     nbytes: np.ndarray,
     template_items: Split,
     classes: dict[tuple[int, tuple[int, ...]], list[int]],

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from shoal.group._holdings import Holdings, Split, _holders, at_items, duplicates_at
+from shoal.group._holdings import Holdings, Split, at_items, duplicates_at, holders_of
 from shoal.group.digests import DIGEST_SIZE, Digests, ItemDigests, ItemLengths
 from shoal.group.plan import ChunkRuns, ChunkTable, ItemChunks
 
@@ -369,7 +369,7 @@ def _dedup(
         d_start = np.cumsum(count) - count
     bounds = np.append(0, np.cumsum(n_tpl))
     ex_slot = np.repeat(np.array(extra_slot, dtype=np.int64), n_ex)
-    holder, sets, logical = _holders(
+    holder, sets, logical = holders_of(
         nbytes, Split(distinct, bounds), classes, distinct[n_tpl_items:], ex_slot
     )
     store = TableStore(tables, src, pos, layout)

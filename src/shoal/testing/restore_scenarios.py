@@ -59,7 +59,7 @@ def load_one_model(rank: int, world: int, *, root: str) -> dict[str, Any]:
         step = ckpt.load(target)
         assert_state_equal(target, state)
         report = ckpt.last_load
-        manifest = ckpt._resolve_manifest(1)
+        manifest = ckpt.runtime.resolve_manifest(1)
     assert report is not None
     unique = {d: n for key in manifest.items for d, _, n in manifest.chunk_spans(key)}
     return {
@@ -245,7 +245,7 @@ def repair_across_hosts(rank: int, world: int, *, root: str) -> dict[str, Any]:
         ckpt.save(1, state).wait(Boundary.RESTARTABLE, timeout=60)
         dist.barrier()
         if rank == 0:
-            manifest = ckpt._resolve_manifest(1)
+            manifest = ckpt.runtime.resolve_manifest(1)
             key = next(k for k, rec in manifest.items.items() if "r0.s" in k and rec.rank == 0)
             d = manifest.items[key].chunks[0]
             staged = []
