@@ -25,6 +25,13 @@ to the next collective, so every rank takes the same path and the checkpoint fai
 at the same boundary everywhere. With the ``direct`` path (or one host) C3-C5 are
 skipped and B2 is reached with B3.
 
+This module is the sequencer: the collectives, their order and the error paths. The work
+between them is done by reusable parts: :mod:`shoal.engine.replicate` (partner copies and
+host manifests), :func:`shoal.engine.packwriter.write_pack` (every pack, replica or drain),
+:func:`shoal.format.manifest_build.build_manifest` (manifests, pure) and
+:class:`shoal.engine.commit.CheckpointCommit` (manifest, ``COMMIT``, ``LATEST`` and the
+rollback).
+
 The commit writes nothing when a pack the manifest would reference is missing or short
 (the checkpoint fails before B3, naming the packs, and the next save rescans the shared
 tier and writes those chunks again), nor once another process holds the job
