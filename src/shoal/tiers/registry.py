@@ -97,6 +97,8 @@ def register_tier(kind: str, cls: type[Tier] | str, *, replace: bool = False) ->
     registered (built in or not) unless ``replace``, or a ``cls`` that cannot be a tier.
     """
     _check_kind(kind)
+    if not replace:
+        _check_free(kind)
     where = "register_tier"
     if isinstance(cls, str):
         if not _TARGET.fullmatch(cls):
@@ -112,14 +114,19 @@ def register_tier(kind: str, cls: type[Tier] | str, *, replace: bool = False) ->
             f"string, got {type(cls).__name__} {cls!r}"
         )
     with _lock:
-        current = _registry.get(kind)
-        if current is not None and not replace:
-            raise ConfigError(
-                f"tier kind {kind!r} is already registered (as {_describe(current)}); choose another kind, "
-                f"or pass replace=True to replace it"
-            )
+        if not replace:
+            _check_free(kind)
         _registry[kind] = entry
         _resolved.pop(kind, None)
+
+
+def _check_free(kind: str) -> None:
+    current = _registry.get(kind)
+    if current is not None:
+        raise ConfigError(
+            f"tier kind {kind!r} is already registered (as {_describe(current)}); choose another kind, "
+            f"or pass replace=True to replace it"
+        )
 
 
 def unregister_tier(kind: str) -> None:
@@ -163,7 +170,7 @@ def tier_class(kind: str) -> type[Tier]:
             module = importlib.import_module(module_name)
         except ImportError as e:
             raise ConfigError(
-                f"tier kind {kind!r}: cannot import {module_name!r} (from {entry!r}): {e}"
+                f"tier kind {kind!r}: cannot import module {module_name!r} (from {entry!r}): {e}"
             ) from e
         try:
             found = getattr(module, class_name)
