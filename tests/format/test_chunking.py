@@ -18,6 +18,7 @@ from shoal.format.chunking import (
     Hasher,
     chunk_spans,
     digest,
+    expect_digest,
     verify,
 )
 
@@ -90,6 +91,32 @@ def test_verify_passes_on_match_and_names_the_source_on_mismatch() -> None:
         verify(flipped, digest(data), what="pack p1 @0")
     assert isinstance(info.value, ShoalError) and isinstance(info.value, ValueError)
     assert digest(data) in str(info.value) and digest(flipped) in str(info.value)
+
+
+def test_verify_builds_the_description_only_on_a_mismatch_and_names_who_gave_the_digest() -> None:
+    data = b"chunk payload"
+    calls: list[int] = []
+
+    def what() -> str:
+        calls.append(1)
+        return "item 'w' chunk 3 read from pack /s/packs/p.pack at offset 64"
+
+    verify(memoryview(data), digest(data), what)
+    assert calls == []  # a match never formats the message
+    with pytest.raises(ChecksumMismatch) as info:
+        verify(data[:-1], digest(data), what)
+    assert calls == [1]
+    text = str(info.value)
+    assert text.startswith("item 'w' chunk 3 read from pack /s/packs/p.pack at offset 64: BLAKE3 digest is ")
+    assert text.endswith(f"expected {digest(data)}") and digest(data[:-1]) in text
+    with pytest.raises(ChecksumMismatch, match=f"but its commit record says {digest(data)}$"):
+        verify(b"other", digest(data), "manifest m.json", said_by="its commit record")
+
+
+def test_expect_digest_compares_digests_already_computed() -> None:
+    expect_digest(digest(b"x"), digest(b"x"), "pack p")
+    with pytest.raises(ChecksumMismatch, match=r"^pack p: BLAKE3 digest is [0-9a-f]{64}, expected "):
+        expect_digest(digest(b"x"), digest(b"y"), "pack p")
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000, 5000])

@@ -8,7 +8,7 @@ names, which is all deduplication needs.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 import blake3
@@ -41,11 +41,31 @@ def digest(data: bytes | bytearray | memoryview) -> str:
     return blake3.blake3(data).hexdigest()
 
 
-def verify(data: bytes | bytearray | memoryview, expected: str, *, what: str) -> None:
-    """Raise :class:`ChecksumMismatch` (with ``what`` saying where) unless ``data`` hashes to ``expected``."""
-    actual = digest(data)
+def expect_digest(
+    actual: str, expected: str, what: str | Callable[[], str], *, said_by: str | None = None
+) -> None:
+    """Raise :class:`ChecksumMismatch` unless ``actual == expected``: the one digest check.
+
+    ``what`` names the bytes and where they came from (for a chunk: the chunk, its item or
+    key, and its source: tier url, pack or slab path and offset); it may be a function that
+    returns it, so a hot loop builds the text only on a mismatch. The message gives both
+    digests, and ``said_by`` (``"its commit record"``) when another record named the expected one.
+    """
     if actual != expected:
-        raise ChecksumMismatch(f"{what}: BLAKE3 digest is {actual}, expected {expected}")
+        where = what() if callable(what) else what
+        wanted = f"but {said_by} says {expected}" if said_by else f"expected {expected}"
+        raise ChecksumMismatch(f"{where}: BLAKE3 digest is {actual}, {wanted}")
+
+
+def verify(
+    data: bytes | bytearray | memoryview,
+    expected: str,
+    what: str | Callable[[], str],
+    *,
+    said_by: str | None = None,
+) -> None:
+    """Raise :class:`ChecksumMismatch` unless ``data`` hashes to ``expected`` (see :func:`expect_digest`)."""
+    expect_digest(digest(data), expected, what, said_by=said_by)
 
 
 class Hasher:
