@@ -396,7 +396,7 @@ class GroupSave:
         ctx.events.emit(
             "write",
             self.step,
-            tier="shared",
+            tier=self.ctx.shared.kind,
             what="pack",
             path=layout.pack_path(pack_id),
             bytes=index.size,
@@ -444,7 +444,7 @@ class GroupSave:
 
     def _wrote(self, what: str, path: str, nbytes: int, seconds: float) -> None:
         self.ctx.events.emit(
-            "write", self.step, tier="shared", what=what, path=path, bytes=nbytes,
+            "write", self.step, tier=self.ctx.shared.kind, what=what, path=path, bytes=nbytes,
             seconds=seconds, writers=1,
         )  # fmt: skip
 

@@ -68,7 +68,7 @@ from shoal.group.topology import topology_for_path
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
 from shoal.tiers.local import PosixTier
-from shoal.tiers.roles import Role, open_role
+from shoal.tiers.roles import Role, check_role_kind, open_role
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,8 @@ class Runtime:
         self.config = cfg
         host_tier: Tier | None = None
         if replicate:
-            host_tier = self.dram if cfg.replicate_to == "dram" else local
+            kind = check_role_kind(Role.HOST_COPY, cfg.replicate_to)
+            host_tier = next(t for t in (self.dram, local) if t.kind == kind)
         self._host_tier = host_tier
         generation = new_generation()
         self._ring = SlotRing(self.dram, cfg.dram_slots, prefix=f"r{self.rank}-{generation}-")
@@ -172,7 +173,7 @@ class Runtime:
             topology=self.topology,
             host=self.host,
             shared=self.shared,
-            host_tiers={"local": local, "dram": self.dram},
+            host_tiers={t.kind: t for t in (local, self.dram)},
             dram=self.dram,
             run_id=run,
         )
