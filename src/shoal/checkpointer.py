@@ -16,6 +16,7 @@ import atexit
 import io
 import logging
 import pickle
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -67,6 +68,56 @@ def _quiet_no_dist() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
         yield
+
+
+_dcp_log_lock = threading.Lock()
+_dcp_log_quieted = 0
+_dcp_log_level = logging.NOTSET
+
+
+def _records_go_nowhere(logger: logging.Logger) -> bool:
+    """Whether ``logger``'s records reach no one: no filter, only ``NullHandler``s, no propagation."""
+    return (
+        not logger.propagate
+        and not logger.filters
+        and all(type(h) is logging.NullHandler for h in logger.handlers)
+    )
+
+
+@contextmanager
+def _quiet_dcp_logger() -> Iterator[None]:
+    """Skip the two debug records DCP's logging wrapper makes per state-dict key, while nobody reads them.
+
+    ``dcp.save`` wraps the ``state_dict()`` resolution of every key in a logging wrapper that
+    emits two DEBUG records to DCP's logger (about 20 us per key). That logger ships at DEBUG
+    with only a ``NullHandler`` and does not propagate, so the records are made and dropped.
+    While that is so, its level is raised to INFO for the block (exceptions are still logged,
+    at ERROR); a logger someone configured (another handler, a filter, propagation) is left
+    as it is. Nested and concurrent blocks restore the level once, when the last one ends.
+    """
+    global _dcp_log_quieted, _dcp_log_level
+    try:
+        from torch.distributed.checkpoint import logger as dcp_logging
+
+        logger = dcp_logging._dcp_logger
+    except (ImportError, AttributeError):  # another torch: nothing to do
+        yield
+        return
+    with _dcp_log_lock:
+        quiet = _dcp_log_quieted > 0 or (_records_go_nowhere(logger) and logger.level < logging.INFO)
+        if quiet:
+            if _dcp_log_quieted == 0:
+                _dcp_log_level = logger.level
+                logger.setLevel(logging.INFO)
+            _dcp_log_quieted += 1
+    try:
+        yield
+    finally:
+        if quiet:
+            with _dcp_log_lock:
+                _dcp_log_quieted -= 1
+                if _dcp_log_quieted == 0:
+                    logger.setLevel(_dcp_log_level)
 
 
 class Checkpointer:
@@ -175,7 +226,7 @@ class Checkpointer:
             return handle
         writer = shoal_dcp.StorageWriter(self, step, _started=started, _managed=True)
         try:
-            with collector_paused(), _quiet_no_dist(), _unwrapped_errors():
+            with collector_paused(), _quiet_dcp_logger(), _quiet_no_dist(), _unwrapped_errors():
                 torch_dcp.save(
                     dict(state_dict),
                     storage_writer=writer,

@@ -86,6 +86,8 @@ class SavePlanner(DefaultSavePlanner):
     """
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        if len(all_plans) == 1:
+            return all_plans  # one rank holds every item: nothing to choose
         hosts = [
             p.storage_data if isinstance(p.storage_data, str) else f"rank-{i}"
             for i, p in enumerate(all_plans)
