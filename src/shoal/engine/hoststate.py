@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from shoal.engine.staged import INDEX_SUFFIX, SIDECAR_SUFFIXES, STAGED_DIR, delete_staged
 from shoal.errors import FormatError, MissingFile, OwnershipError, ShoalError
 from shoal.format import layout
 from shoal.format.names import check_identifier
@@ -53,7 +54,6 @@ RUN_FORMAT = "shoal-run/1"
 RUNS_DIR = "runs"
 LOCKS_DIR = "locks"
 RUN_FILE = "RUN.json"
-STAGED_DIR = "staged"
 SLABS_DIR = "slabs"
 
 
@@ -303,12 +303,16 @@ def find_leftovers(dram: DramTier, *, rank: int | None = None, own: Iterable[str
             if entry.name.endswith(".slab") and entry.is_file(follow_symlinks=False):
                 slabs[entry.name[: -len(".slab")]] = entry.stat(follow_symlinks=False).st_size
     indexes: dict[str, str] = {}
+    sidecars: set[str] = set()  # slots with a sidecar of their index (it may be gone: a crash)
     for path in dram.list(STAGED_DIR + "/"):
         name = path.rsplit("/", 1)[-1]
-        if name.endswith(".json"):
-            indexes[name[: -len(".json")]] = path
+        if name.endswith(INDEX_SUFFIX):
+            indexes[name[: -len(INDEX_SUFFIX)]] = path
+        for suffix in SIDECAR_SUFFIXES:
+            if name.endswith(suffix):
+                sidecars.add(name[: -len(suffix)])
     out = []
-    for slot in sorted(set(slabs) | set(indexes)):
+    for slot in sorted(set(slabs) | set(indexes) | sidecars):
         slot_rank = _slot_rank(slot)
         if slot in mine or (rank is not None and slot_rank != rank):
             continue
@@ -325,9 +329,11 @@ def find_leftovers(dram: DramTier, *, rank: int | None = None, own: Iterable[str
 
 
 def drop_leftover(dram: DramTier, leftover: Leftover) -> None:
-    """Delete a leftover: its staged index first (never an index over missing bytes), then its slab."""
+    """Delete a leftover: its staged index first (never an index over missing bytes), its sidecars,
+    then its slab."""
     if leftover.index is not None:
         dram.delete(leftover.index)
+    delete_staged(dram, leftover.slot)
     dram.delete_slab(leftover.slot)
 
 

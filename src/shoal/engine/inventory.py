@@ -20,12 +20,22 @@ from typing import Any
 
 from shoal.boundary import Boundary
 from shoal.engine.packlist import list_packs
-from shoal.engine.staged import STAGED_DIR, STAGED_FORMAT
+from shoal.engine.staged import (
+    CHUNKS_FORMAT,
+    CHUNKS_SUFFIX,
+    DCP_FORMAT,
+    DCP_SUFFIX,
+    INDEX_SUFFIX,
+    STAGED_DIR,
+    STAGED_FORMAT,
+    STAGED_FORMAT_V1,
+)
 from shoal.engine.store import list_checkpoints
-from shoal.errors import ShoalError
+from shoal.errors import MissingFile, ShoalError
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.manifest import ItemRecord, Manifest, WorldInfo
+from shoal.group.digests import DIGEST_SIZE
 from shoal.group.readplan import SHARED, Candidate, Source
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
@@ -61,25 +71,20 @@ class StagedRecord:
     run: str | None = None
 
 
-def _staged_record(doc: Mapping[str, Any], where: str) -> StagedRecord:
-    if doc.get("format") != STAGED_FORMAT:
-        raise ValueError(f"{where}: format is {doc.get('format')!r}, expected {STAGED_FORMAT!r}")
-    items = []
-    for it in doc["items"]:
-        chunks = it.get("chunks")
-        shape = it.get("shape")
-        items.append(
-            StagedItemRecord(
-                str(it["key"]),
-                str(it.get("kind", "tensor")),
-                int(it["offset"]),
-                int(it["nbytes"]),
-                None if chunks is None else tuple(str(c) for c in chunks),
-                it.get("dtype"),
-                None if shape is None else tuple(int(x) for x in shape),
-            )
-        )
-    dcp = doc.get("dcp")
+def _staged_record(
+    doc: Mapping[str, Any], where: str, sidecars: Mapping[str, Any] | None = None
+) -> StagedRecord:
+    """The record of a staged index ``doc``; ``sidecars`` (format 2): its DCP and chunks sidecars, if any."""
+    fmt = doc.get("format")
+    if fmt == STAGED_FORMAT_V1:
+        items = _items_v1(doc["items"])
+        dcp = doc.get("dcp")
+    elif fmt == STAGED_FORMAT:
+        sidecars = sidecars or {}
+        items = _items_v2(doc["columns"], sidecars.get("chunks"), where)
+        dcp = (sidecars.get("dcp") or {}).get("dcp")
+    else:
+        raise ValueError(f"{where}: format is {fmt!r}, expected {STAGED_FORMAT!r}")
     return StagedRecord(
         int(doc["step"]),
         int(doc["rank"]),
@@ -92,6 +97,85 @@ def _staged_record(doc: Mapping[str, Any], where: str) -> StagedRecord:
         dcp if isinstance(dcp, Mapping) else None,
         None if doc.get("run") is None else str(doc["run"]),
     )
+
+
+def _items_v1(items: Sequence[Mapping[str, Any]]) -> list[StagedItemRecord]:
+    out = []
+    for it in items:
+        chunks = it.get("chunks")
+        shape = it.get("shape")
+        out.append(
+            StagedItemRecord(
+                str(it["key"]),
+                str(it.get("kind", "tensor")),
+                int(it["offset"]),
+                int(it["nbytes"]),
+                None if chunks is None else tuple(str(c) for c in chunks),
+                it.get("dtype"),
+                None if shape is None else tuple(int(x) for x in shape),
+            )
+        )
+    return out
+
+
+def _items_v2(
+    columns: Mapping[str, Sequence[Any]], chunks: Mapping[str, Any] | None, where: str
+) -> list[StagedItemRecord]:
+    """Items from the index's columns, with their digests from the chunks sidecar when there is one."""
+    keys, kinds, offsets = columns["key"], columns["kind"], columns["offset"]
+    nbytes, dtypes, shapes = columns["nbytes"], columns["dtype"], columns["shape"]
+    n = len(keys)
+    if any(len(c) != n for c in (kinds, offsets, nbytes, dtypes, shapes)):
+        raise ValueError(f"{where}: the item columns are not all {n} long")
+    digests: list[tuple[str, ...] | None] = [None] * n
+    if chunks is not None:
+        counts, joined = chunks["counts"], str(chunks["digests"])
+        width = 2 * DIGEST_SIZE
+        if len(counts) != n or len(joined) != width * sum(int(c) for c in counts):
+            log.warning("ignoring the chunks sidecar of %s: it does not cover its %d items", where, n)
+            counts = []
+        at = 0
+        for i, c in enumerate(counts):
+            digests[i] = tuple(joined[at + k * width : at + (k + 1) * width] for k in range(int(c)))
+            at += int(c) * width
+    return [
+        StagedItemRecord(
+            str(keys[i]),
+            str(kinds[i]),
+            int(offsets[i]),
+            int(nbytes[i]),
+            digests[i],
+            None if dtypes[i] is None else str(dtypes[i]),
+            None if shapes[i] is None else tuple(int(x) for x in shapes[i]),
+        )
+        for i in range(n)
+    ]
+
+
+def _sidecars(dram: DramTier, path: str, doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The DCP and chunks sidecars of the format-2 index at ``path`` that belong to it (by step, slab,
+    creation time); a missing or malformed one, or one an earlier step of the slot left, is left out
+    (without digests the items are hashed from the slab; without DCP metadata the step is no staged
+    candidate, but its slab still serves chunks)."""
+    out: dict[str, Any] = {}
+    if doc.get("format") != STAGED_FORMAT:
+        return out
+    stem = path[: -len(INDEX_SUFFIX)]
+    bind = {"step": doc.get("step"), "slab": doc.get("slab"), "created": doc.get("created")}
+    for name, suffix, fmt in (("dcp", DCP_SUFFIX, DCP_FORMAT), ("chunks", CHUNKS_SUFFIX, CHUNKS_FORMAT)):
+        where = f"{dram.url}/{stem}{suffix}"
+        try:
+            side = json.loads(dram.read_small(stem + suffix, layout.MAX_STAGED_BYTES, "staged index sidecar"))
+        except MissingFile:
+            continue
+        if not isinstance(side, dict) or side.get("format") != fmt:
+            log.warning("ignoring %s: not a %s sidecar", where, fmt)
+            continue
+        if {k: side.get(k) for k in bind} != bind:
+            log.debug("ignoring %s: it belongs to another step of the slot", where)
+            continue
+        out[name] = side
+    return out
 
 
 def _hashed(rec: StagedRecord, dram: DramTier) -> StagedRecord:
@@ -120,12 +204,13 @@ def read_staged(dram: DramTier, *, run_id: str | None = None) -> list[StagedReco
     """
     out = []
     for path in dram.list(STAGED_DIR + "/"):
-        if not path.endswith(".json"):
+        if not path.endswith(INDEX_SUFFIX):
             continue
         where = f"{dram.url}/{path}"
         try:
             data = dram.read_small(path, layout.MAX_STAGED_BYTES, "staged index")
-            rec = _staged_record(json.loads(data), where)
+            doc = json.loads(data)
+            rec = _staged_record(doc, where, _sidecars(dram, path, doc))
             if run_id is not None and rec.run != run_id:
                 log.info("ignoring staged index %s: it belongs to run %s, not to this run (%s)",
                          where, rec.run, run_id)  # fmt: skip

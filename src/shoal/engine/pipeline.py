@@ -27,7 +27,7 @@ from shoal.engine.group_save import GroupSave, PipelineContext, SaveJob
 from shoal.engine.handle import SaveHandle
 from shoal.engine.packlist import StepSummaries, summarise
 from shoal.engine.retention import apply_retention, latest_step, pack_ids_on, plan_retention
-from shoal.engine.staged import staged_path
+from shoal.engine.staged import delete_staged
 from shoal.engine.stager import SlotRing
 from shoal.errors import CheckpointFailed, StateError, WriterFenced
 from shoal.tiers.base import Tier
@@ -142,7 +142,7 @@ class Pipeline:
         self.context.events.emit("failed", job.step, boundary=Boundary.STAGED.name, error=str(error))
         if self.context.dram is not None and job.staged is not None:
             try:  # the slot's bytes will be overwritten: its index must not describe them
-                self.context.dram.delete(staged_path(job.staged.slab))
+                delete_staged(self.context.dram, job.staged.slab)
             except Exception as e:
                 log.warning("could not delete the staged index of abandoned step %d: %s", job.step, e)
         job.handle._fail(Boundary.STAGED, error)
