@@ -1,0 +1,294 @@
+"""The chunk fetcher: chunks by digest into destination buffers, verified, repaired from the next source.
+
+Every verified chunk read goes through :class:`Fetcher`: restore (:mod:`shoal.engine.restore`),
+:class:`~shoal.engine.store.ItemReader` (and so ``shoal export``) and ``shoal verify``.
+
+Each :class:`ChunkRequest` names a chunk (its digest and length), the buffers its bytes go to,
+and the places it can be read from, best first (:class:`ChunkSource`: a pack or staging slab
+of a tier, and an offset in it). :meth:`Fetcher.fetch` reads every chunk from its first source,
+checks its BLAKE3 digest (:func:`shoal.format.chunking.verify`, the one digest check) and only
+then copies it into its destinations. A chunk whose read fails (missing file, short read,
+any read error) or whose digest does not match is read again from its next source, in a later
+round; every failure is recorded, and a chunk whose sources are all spent is reported lost.
+
+Reads go per contiguous run: the chunks whose current source lies back to back in one file
+(pack or slab) are read with one range read (``Tier.read_range_into``,
+``DramTier.read_slab_into``) into a scratch buffer of at most ``max_run`` bytes, then
+verified and scattered from memoryview slices of it; so many small items cost one read, not
+one open each. A run whose read fails is read again chunk by chunk, so a truncated pack loses
+only the chunks past its end. Bytes reach a destination only after their digest matched: a
+destination of a chunk that was never delivered is left as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from shoal.errors import ChecksumMismatch, TierError
+from shoal.format.chunking import verify
+from shoal.tiers.base import Tier
+from shoal.tiers.slabs import SlabStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_RUN = 8 << 20
+"""Largest range read (and so scratch buffer), in bytes; a longer chunk is read alone."""
+
+
+@dataclass(frozen=True, slots=True)
+class SourceFile:
+    """One file chunks are read from: pack ``path`` of ``tier``, or (``slab``) its staging slab ``path``.
+
+    ``kind`` is what the bytes read from it count under (:attr:`FetchResult.bytes_by_kind`:
+    ``dram``, ``local``, ``shared``); ``label`` an optional note for messages ("shared tier",
+    "dram tier of host 'h1'").
+    """
+
+    tier: Tier
+    path: str
+    slab: bool = False
+    kind: str = ""
+    label: str = ""
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the file's bytes from ``offset`` (raises if fewer are there)."""
+        if not self.slab:
+            self.tier.read_range_into(self.path, offset, out)
+            return
+        if not isinstance(self.tier, SlabStore):
+            raise TierError(f"tier {self.tier.url} holds no staging slabs (asked for slab {self.path})")
+        self.tier.read_slab_into(self.path, offset, out)
+
+    def describe(self, offset: int) -> str:
+        what = f"slab {self.path} of {self.tier.url}" if self.slab else f"pack {self.tier.url}/{self.path}"
+        return f"{what} at offset {offset}" + (f" ({self.label})" if self.label else "")
+
+
+class ChunkSource(NamedTuple):
+    """A chunk's place: ``offset`` bytes into ``file``."""
+
+    file: SourceFile
+    offset: int
+
+    def describe(self) -> str:
+        return self.file.describe(self.offset)
+
+
+@dataclass(slots=True)
+class ChunkRequest:
+    """One chunk to fetch: ``length`` bytes whose BLAKE3 digest is ``digest``.
+
+    Its verified bytes are copied into every buffer of ``dests`` (each exactly ``length``
+    bytes; none: only verify it); ``sources`` are tried in order. ``what`` names the chunk
+    in messages (``"item 'w' of step 3: chunk 1"``); empty, the digest does.
+    """
+
+    digest: str
+    length: int
+    dests: Sequence[memoryview]
+    sources: Sequence[ChunkSource]
+    what: str = ""
+
+    def describe(self) -> str:
+        return self.what or f"chunk {self.digest}"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed attempt: reading the chunk from ``source`` raised ``error`` (a read error or a mismatch)."""
+
+    source: ChunkSource
+    error: Exception
+
+    def describe(self) -> str:
+        """``"<source>: <ErrorType>: <message>"``; a digest mismatch's message already names the source."""
+        if isinstance(self.error, ChecksumMismatch):
+            return f"ChecksumMismatch: {self.error}"
+        return f"{self.source.describe()}: {type(self.error).__name__}: {self.error}"
+
+
+@dataclass
+class FetchResult:
+    """What :meth:`Fetcher.fetch` did, per request (by index) and in all."""
+
+    used: list[int | None]
+    """Per request, the index in its sources of the one that delivered it; None if none did."""
+    failures: dict[int, list[Failure]] = field(default_factory=dict)
+    """Per request that had any, its failed attempts in the order tried."""
+    reads: int = 0
+    """Range reads that succeeded (one per contiguous run, plus the chunk-by-chunk retries)."""
+    bytes_read: int = 0
+    """Bytes those reads returned."""
+    bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    """Bytes of delivered chunks, by their source file's ``kind``."""
+
+    @property
+    def lost(self) -> list[int]:
+        """Requests no source delivered."""
+        return [i for i, u in enumerate(self.used) if u is None]
+
+    def error(self, index: int) -> Exception | None:
+        """The last error of request ``index`` (what its last source did), or None."""
+        tried = self.failures.get(index)
+        return tried[-1].error if tried else None
+
+
+OnRead = Callable[[SourceFile, int, memoryview], None]
+"""Called with ``(file, offset, bytes)`` after each successful range read, before any check."""
+
+
+class Fetcher:
+    """Fetches chunk requests (see the module docstring); keeps one scratch buffer between calls.
+
+    Not thread-safe: use one per thread. ``on_read`` sees the raw bytes of every read, in the
+    order read (per file, by offset): ``shoal verify`` hashes whole packs with it.
+    """
+
+    def __init__(self, *, max_run: int = DEFAULT_MAX_RUN, on_read: OnRead | None = None) -> None:
+        if max_run <= 0:
+            raise ValueError(f"max_run must be positive, got {max_run}")
+        self.max_run = max_run
+        self.on_read = on_read
+        self._scratch = bytearray()
+
+    def fetch(self, requests: Sequence[ChunkRequest]) -> FetchResult:
+        """Read, verify and place every request; try each failed one at its next source, until done."""
+        result = FetchResult([None] * len(requests))
+        at = [0] * len(requests)  # the source each request is read from this round
+        pending = [i for i, r in enumerate(requests) if r.sources]
+        while pending:
+            by_file: dict[SourceFile, list[tuple[int, int]]] = {}
+            for i in pending:
+                src = requests[i].sources[at[i]]
+                by_file.setdefault(src.file, []).append((src.offset, i))
+            failed: list[int] = []
+            for file, spans in by_file.items():
+                spans.sort()
+                for run in self._runs(spans, requests):
+                    self._read_run(file, run, requests, at, result, failed)
+            pending = []
+            for i in failed:
+                at[i] += 1
+                if at[i] < len(requests[i].sources):
+                    pending.append(i)
+        if result.failures:
+            lost = result.lost
+            first = next(iter(result.failures.values()))[0]
+            log.warning(
+                "%d of %d chunk(s) failed at a source (%d of them lost: no source left); first: %s",
+                len(result.failures),
+                len(requests),
+                len(lost),
+                first.describe(),
+            )
+        return result
+
+    def _runs(
+        self, spans: list[tuple[int, int]], requests: Sequence[ChunkRequest]
+    ) -> list[list[tuple[int, int]]]:
+        """One file's ``(offset, request)`` spans, sorted, cut into back-to-back runs of <= ``max_run``."""
+        runs: list[list[tuple[int, int]]] = []
+        run: list[tuple[int, int]] = []
+        end = size = 0
+        for offset, i in spans:
+            n = requests[i].length
+            if run and (offset != end or size + n > self.max_run):
+                runs.append(run)
+                run = []
+            if not run:
+                size = 0
+            run.append((offset, i))
+            end = offset + n
+            size += n
+        if run:
+            runs.append(run)
+        return runs
+
+    def _buffer(self, nbytes: int) -> memoryview:
+        if len(self._scratch) < nbytes:
+            self._scratch = bytearray(nbytes)
+        return memoryview(self._scratch)[:nbytes]
+
+    def _read_run(
+        self,
+        file: SourceFile,
+        run: list[tuple[int, int]],
+        requests: Sequence[ChunkRequest],
+        at: list[int],
+        result: FetchResult,
+        failed: list[int],
+    ) -> None:
+        start = run[0][0]
+        last_offset, last = run[-1]
+        view = self._buffer(last_offset + requests[last].length - start)
+        try:
+            file.read_into(start, view)
+        except Exception as e:  # any read error sends the chunks to their next source
+            if len(run) > 1:  # read them one by one: only the unreadable ones fail
+                log.debug("reading %d chunks from %s failed (%s); reading them one by one", len(run), file, e)
+                for span in run:
+                    self._read_run(file, [span], requests, at, result, failed)
+                return
+            self._fail(run[0][1], requests, at, result, failed, e)
+            return
+        result.reads += 1
+        result.bytes_read += view.nbytes
+        if self.on_read is not None:
+            self.on_read(file, start, view)
+        delivered = 0
+        for offset, i in run:
+            req = requests[i]
+            pos = offset - start
+            chunk = view[pos : pos + req.length]
+            try:
+                verify(
+                    chunk, req.digest, lambda r=req, o=offset: f"{r.describe()} read from {file.describe(o)}"
+                )
+            except ChecksumMismatch as e:
+                self._fail(i, requests, at, result, failed, e)
+                continue
+            for dest in req.dests:
+                dest[:] = chunk
+            result.used[i] = at[i]
+            delivered += req.length
+        if delivered:
+            result.bytes_by_kind[file.kind] = result.bytes_by_kind.get(file.kind, 0) + delivered
+
+    @staticmethod
+    def _fail(
+        i: int,
+        requests: Sequence[ChunkRequest],
+        at: list[int],
+        result: FetchResult,
+        failed: list[int],
+        error: Exception,
+    ) -> None:
+        failure = Failure(requests[i].sources[at[i]], error)
+        log.debug("%s: %s", requests[i].describe(), failure.describe())
+        result.failures.setdefault(i, []).append(failure)
+        failed.append(i)
+
+
+def _what(req: ChunkRequest, file: SourceFile, offset: int) -> str:
+    return f"{req.describe()} read from {file.describe(offset)}"
+
+
+def fetch_chunks(requests: Sequence[ChunkRequest], *, max_run: int = DEFAULT_MAX_RUN) -> FetchResult:
+    """:meth:`Fetcher.fetch` with a fresh fetcher."""
+    return Fetcher(max_run=max_run).fetch(requests)
+
+
+__all__ = [
+    "DEFAULT_MAX_RUN",
+    "ChunkRequest",
+    "ChunkSource",
+    "FetchResult",
+    "Failure",
+    "Fetcher",
+    "OnRead",
+    "SourceFile",
+    "fetch_chunks",
+]
