@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.engine.fetch import ChunkRequest, ChunkSource, Fetcher, SourceFile
 from shoal.engine.inventory import (
     HostInventory,
     candidates_and_sources,
@@ -39,7 +40,7 @@ from shoal.engine.inventory import (
 )
 from shoal.errors import CheckpointNotFound, ChecksumMismatch, RestoreFailed, ShoalError
 from shoal.format import layout
-from shoal.format.chunking import digest
+from shoal.format.chunking import verify
 from shoal.format.manifest import Manifest
 from shoal.group.fabric import Fabric
 from shoal.group.readplan import SHARED, Choice, ChunkRead, ReadPlan, Source, choose_checkpoint, plan_reads
@@ -115,6 +116,9 @@ class Restore:
         self._needs: list[list[str]] = []
         """Per rank, the item keys it reads (R3)."""
         self._stats = _Stats()
+        self._fetcher = Fetcher()
+        self._files: dict[tuple[str, str | None, str, bool], SourceFile | str] = {}
+        """Each source file this rank reads, once made (or why it cannot read it)."""
 
     @property
     def rank(self) -> int:
@@ -342,16 +346,42 @@ class Restore:
         return f"step {manifest.step}: no good copy left of " + " | ".join(lines) + more
 
     # -- reading -----------------------------------------------------------------------------
-    def _read_source(self, s: Source, out: memoryview) -> None:
+    def _source_file(self, s: Source) -> SourceFile | str:
+        """The file ``s`` names on this rank's tiers, or why this rank cannot read it."""
+        key = (s.tier, s.host, s.path, s.slab)
+        found = self._files.get(key)
+        if found is not None:
+            return found
         ctx = self.ctx
+        made: SourceFile | str
         if s.host is None:
-            ctx.shared.read_range_into(layout.pack_path(s.path), s.offset, out)
+            made = SourceFile(ctx.shared, layout.pack_path(s.path), kind=SHARED, label="shared tier")
+        elif s.host != ctx.host:
+            made = f"{s.describe()}: not on this rank's host {ctx.host!r}"
         elif s.slab:
-            if ctx.dram is None:
-                raise RestoreFailed("no DRAM tier to read a slab from")
-            ctx.dram.read_slab_into(s.path, s.offset, out)
+            label = f"{s.tier} tier of host {s.host!r}"
+            dram = ctx.dram
+            made = SourceFile(dram, s.path, slab=True, kind=s.tier, label=label) if dram else "no DRAM tier"
         else:
-            ctx.host_tiers[s.tier].read_range_into(layout.pack_path(s.path), s.offset, out)
+            tier = ctx.host_tiers.get(s.tier)
+            label = f"{s.tier} tier of host {s.host!r}"
+            path = layout.pack_path(s.path)
+            made = SourceFile(tier, path, kind=s.tier, label=label) if tier else f"no {s.tier} tier here"
+        self._files[key] = made
+        return made
+
+    def _request(self, r: ChunkRead, dest: list[memoryview]) -> tuple[ChunkRequest, list[str]]:
+        """The fetcher's request for ``r`` (the sources this rank can read), and the others, described."""
+        sources: list[ChunkSource] = []
+        unusable: list[str] = []
+        for s in r.sources:
+            file = self._source_file(s)
+            if isinstance(file, str):
+                if s.host is None or s.host == self.ctx.host:
+                    unusable.append(f"{s.describe()}: {file}")
+                continue
+            sources.append(ChunkSource(file, s.offset))
+        return ChunkRequest(r.digest, r.length, dest, sources), unusable
 
     def _read(
         self,
@@ -363,42 +393,46 @@ class Restore:
     ) -> list[tuple[str, list[str]]]:
         """Read and verify this rank's chunks; return ``(digest, [what was tried])`` for each that failed.
 
-        ``repairing``: these chunks failed on another host first (each counts as repaired).
+        One fetch (:class:`~shoal.engine.fetch.Fetcher`) for all of them: per contiguous run of
+        a pack or slab, verified before any byte reaches a destination. A chunk only other ranks
+        need lands in a buffer of its own, to send. ``repairing``: these chunks failed on another
+        host first (each counts as repaired).
         """
-        failed = []
-        scratch = memoryview(bytearray(max((r.length for r in reads), default=0)))
+        spare = memoryview(bytearray(sum(r.length for r in reads if r.digest not in places)))
+        pos = 0
+        requests: list[ChunkRequest] = []
+        unusable: list[list[str]] = []
         for r in reads:
-            mine = places.get(r.digest)
-            buf = mine[0] if mine else memoryview(bytearray(r.length))
-            view = scratch[: r.length]
-            tried: list[str] = []
-            for i, s in enumerate(r.sources):
-                if s.host is not None and s.host != self.ctx.host:
-                    continue
-                try:
-                    t0 = time.perf_counter()
-                    self._read_source(s, view)
-                    actual = digest(view)
-                    if actual != r.digest:
-                        raise ChecksumMismatch(f"BLAKE3 is {actual}")
-                except Exception as e:
-                    log.warning("chunk %s: %s: %s", r.digest, s.describe(), e)
-                    tried.append(f"{s.describe()}: {type(e).__name__}: {e}")
-                    continue
-                buf[:] = view
-                tier = s.tier if s.host is not None else SHARED
-                self._stats.by_tier[tier] = self._stats.by_tier.get(tier, 0) + r.length
-                if i or tried or repairing:
-                    self._stats.repaired += 1
-                log.debug("chunk %s read from %s in %.4f s", r.digest, s.describe(), time.perf_counter() - t0)
-                held[r.digest] = buf
-                for other in (mine or [])[1:]:
-                    other[:] = buf
-                break
-            else:
+            dest = places.get(r.digest)
+            if not dest:
+                dest = [spare[pos : pos + r.length]]
+                pos += r.length
+            req, bad = self._request(r, dest)
+            requests.append(req)
+            unusable.append(bad)
+        t0 = time.perf_counter()
+        result = self._fetcher.fetch(requests)
+        log.debug(
+            "read %d chunks (%d bytes) in %d reads in %.4f s",
+            len(requests),
+            result.bytes_read,
+            result.reads,
+            time.perf_counter() - t0,
+        )
+        for tier, n in result.bytes_by_kind.items():
+            self._stats.by_tier[tier] = self._stats.by_tier.get(tier, 0) + n
+        failed = []
+        for i, req in enumerate(requests):
+            tried = unusable[i] + [f.describe() for f in result.failures.get(i, ())]
+            used = result.used[i]
+            if used is None:
                 failed.append(
-                    (r.digest, tried or [f"rank {self.rank}: no source reachable from {self.ctx.host}"])
+                    (req.digest, tried or [f"rank {self.rank}: no source reachable from {self.ctx.host}"])
                 )
+                continue
+            held[req.digest] = req.dests[0]
+            if used or tried or repairing:
+                self._stats.repaired += 1
         return failed
 
     # -- the exchange ------------------------------------------------------------------------
@@ -425,10 +459,11 @@ class Restore:
         self, d: str, view: memoryview, places: Mapping[str, list[memoryview]], how: str
     ) -> str | None:
         """Verify a chunk that arrived ``how``; place it, or return what was wrong with it."""
-        actual = digest(view)
-        if actual != d:
-            step = self.manifest.step if self.manifest is not None else "?"
-            return f"step {step}: chunk {d} arrived {how} with BLAKE3 {actual}"
+        step = self.manifest.step if self.manifest is not None else "?"
+        try:
+            verify(view, d, lambda: f"step {step}: chunk {d} arrived {how}")
+        except ChecksumMismatch as e:
+            return str(e)
         for p in places[d]:
             p[:] = view
         self._stats.fabric += view.nbytes

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 from shoal.boundary import Boundary
-from shoal.errors import CheckpointNotFound, ChecksumMismatch, FormatError, MissingFile
+from shoal.engine.fetch import DEFAULT_MAX_RUN, ChunkRequest, ChunkSource, Failure, Fetcher, SourceFile
+from shoal.errors import CheckpointNotFound, ChecksumMismatch, FormatError, MissingFile, ShoalError, TierError
 from shoal.format import layout
-from shoal.format.chunking import digest
-from shoal.format.manifest import Manifest, Pointer, decode_manifest, decode_pointer
+from shoal.format.chunking import verify
+from shoal.format.manifest import ItemRecord, Manifest, Pointer, decode_manifest, decode_pointer
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -53,10 +56,8 @@ def read_manifest(tier: Tier, step: int, *, expect_digest: str | None = None) ->
         data = tier.read_small(path, layout.MAX_MANIFEST_BYTES, "manifest")
     except MissingFile as e:
         raise CheckpointNotFound(f"no checkpoint for step {step}: {where} does not exist") from e
-    if expect_digest is not None and digest(data) != expect_digest:
-        raise ChecksumMismatch(
-            f"manifest {where}: BLAKE3 digest is {digest(data)}, but its commit record says {expect_digest}"
-        )
+    if expect_digest is not None:
+        verify(data, expect_digest, f"manifest {where}", said_by="its commit record")
     manifest = decode_manifest(data, where)
     if manifest.step != step:
         raise FormatError(
@@ -110,54 +111,91 @@ def resolve_manifest(tier: Tier, step: int | None = None) -> Manifest:
 class ItemReader:
     """Reads items of one manifest from one tier, verifying every chunk before it is used.
 
-    Chunks are read into a scratch buffer of one chunk, hashed, and only then
-    copied to the destination, so bytes whose digest does not match never reach
-    the caller's memory.
+    Reads go through the one chunk fetcher (:class:`~shoal.engine.fetch.Fetcher`): the
+    chunks of the items asked for at once are read per contiguous run of a pack, each
+    verified against its BLAKE3 digest before it is copied out, so bytes whose digest does
+    not match never reach the caller's memory. A chunk several items share is read once.
     """
 
-    def __init__(self, tier: Tier, manifest: Manifest) -> None:
+    def __init__(self, tier: Tier, manifest: Manifest, *, max_run: int = DEFAULT_MAX_RUN) -> None:
         self.tier = tier
         self.manifest = manifest
-        self._scratch = bytearray(manifest.chunk_size)
         self.bytes_read = 0
+        self._fetcher = Fetcher(max_run=max(max_run, manifest.chunk_size))
+        self._files: dict[str, SourceFile] = {}
 
     def read_into(self, key: str, out: memoryview) -> None:
         """Fill ``out`` (exactly the item's size) with item ``key``'s verified bytes."""
-        rec = self.manifest.items.get(key)
-        if rec is None:
-            raise CheckpointNotFound(f"step {self.manifest.step} has no item {key!r} on {self.tier.url}")
-        if out.nbytes != rec.nbytes:
-            raise FormatError(f"item {key!r} is {rec.nbytes} bytes, destination holds {out.nbytes}")
-        scratch = memoryview(self._scratch)
-        for i, (dig, item_off, length) in enumerate(self.manifest.chunk_spans(key)):
-            loc = self.manifest.locations.get(dig)
-            if loc is None:
-                raise MissingFile(
-                    f"item {key!r} of step {self.manifest.step}: chunk {i} ({dig}) is not held on "
-                    f"{self.tier.url} (a partial, host-tier manifest)"
-                )
-            pack = layout.pack_path(loc.pack)
-            view = scratch[:length]
-            try:
-                self.tier.read_range_into(pack, loc.offset, view)
-            except MissingFile as e:
-                raise MissingFile(
-                    f"item {key!r} of step {self.manifest.step}: pack {self.tier.url}/{pack} is missing "
-                    f"(needed for chunk {i} at pack offset {loc.offset})"
-                ) from e
-            actual = digest(view)
-            if actual != dig:
-                raise ChecksumMismatch(
-                    f"item {key!r} of step {self.manifest.step}: chunk {i} "
-                    f"(item bytes {item_off}..{item_off + length})"
-                    f" read from pack {self.tier.url}/{pack} at offset {loc.offset} has BLAKE3 {actual}, "
-                    f"expected {dig}"
-                )
-            out[item_off : item_off + length] = view
-            self.bytes_read += length
+        self.read_many({key: out})
 
     def read(self, key: str) -> bytearray:
         """Item ``key``'s verified bytes in a new buffer."""
-        buf = bytearray(self.manifest.items[key].nbytes)
-        self.read_into(key, memoryview(buf))
-        return buf
+        return self.read_items([key])[key]
+
+    def read_items(self, keys: Iterable[str]) -> dict[str, bytearray]:
+        """The verified bytes of each item of ``keys``, each in a new buffer, read together."""
+        out = {key: bytearray(self._record(key).nbytes) for key in keys}
+        self.read_many({key: memoryview(buf) for key, buf in out.items()})
+        return out
+
+    def read_many(self, dests: Mapping[str, memoryview]) -> None:
+        """Fill each ``dests[key]`` (exactly the item's size) with item ``key``'s verified bytes.
+
+        Raises :class:`~shoal.errors.ChecksumMismatch` (or the read's error, such as
+        :class:`~shoal.errors.MissingFile`) naming the item, the chunk and the pack and offset
+        read; nothing is read if a chunk has no location on this tier.
+        """
+        requests: dict[str, ChunkRequest] = {}
+        for key, out in dests.items():
+            rec = self._record(key)
+            if out.nbytes != rec.nbytes:
+                raise FormatError(f"item {key!r} is {rec.nbytes} bytes, destination holds {out.nbytes}")
+            for i, (dig, item_off, length) in enumerate(self.manifest.chunk_spans(key)):
+                dest = out[item_off : item_off + length]
+                known = requests.get(dig)
+                if known is not None:
+                    cast(list[memoryview], known.dests).append(dest)
+                    continue
+                span = f"item bytes {item_off}..{item_off + length}"
+                what = f"item {key!r} of step {self.manifest.step}: chunk {i} ({span})"
+                requests[dig] = ChunkRequest(dig, length, [dest], [self._source(dig, what)], what)
+        order = list(requests.values())
+        result = self._fetcher.fetch(order)
+        self.bytes_read += sum(order[i].length for i, u in enumerate(result.used) if u is not None)
+        lost = result.lost
+        if lost:
+            failure = result.failures[lost[0]][-1]
+            error = self._error(order[lost[0]], failure)
+            if error is failure.error:
+                raise error
+            raise error from failure.error
+
+    def _record(self, key: str) -> ItemRecord:
+        rec = self.manifest.items.get(key)
+        if rec is None:
+            raise CheckpointNotFound(f"step {self.manifest.step} has no item {key!r} on {self.tier.url}")
+        return rec
+
+    def _source(self, dig: str, what: str) -> ChunkSource:
+        loc = self.manifest.locations.get(dig)
+        if loc is None:
+            raise MissingFile(
+                f"{what} ({dig}) is not held on {self.tier.url} (a partial, host-tier manifest)"
+            )
+        file = self._files.get(loc.pack)
+        if file is None:
+            file = self._files[loc.pack] = SourceFile(self.tier, layout.pack_path(loc.pack))
+        return ChunkSource(file, loc.offset)
+
+    @staticmethod
+    def _error(req: ChunkRequest, failure: Failure) -> ShoalError:
+        """The error to raise for a chunk that could not be read: it names the item, chunk and source."""
+        error = failure.error
+        if isinstance(error, ChecksumMismatch):
+            return error
+        where = failure.source.describe()
+        if isinstance(error, MissingFile):
+            return MissingFile(f"{req.what}: {where}: {error}")
+        if isinstance(error, ShoalError):
+            return type(error)(f"{req.what}: {where}: {error}")
+        return TierError(f"{req.what}: reading {where} failed: {type(error).__name__}: {error}")
