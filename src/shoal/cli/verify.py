@@ -35,10 +35,11 @@ from shoal.cli.common import (
     stdout_console,
     step_number,
 )
+from shoal.engine.fetch import ChunkRequest, ChunkSource, Fetcher, SourceFile
 from shoal.engine.store import CheckpointInfo, list_checkpoints
-from shoal.errors import CheckpointNotFound, FormatError, MissingFile, ShoalError
+from shoal.errors import CheckpointNotFound, ChecksumMismatch, FormatError, MissingFile, ShoalError
 from shoal.format import layout
-from shoal.format.chunking import digest
+from shoal.format.chunking import expect_digest
 from shoal.format.crosscheck import check_against_dcp
 from shoal.format.manifest import Manifest, PackRecord
 from shoal.format.pack import decode_index
@@ -294,6 +295,87 @@ def _check_index(tier: Tier, work: _PackWork, where: str) -> list[Problem]:
     return problems
 
 
+class _WholePack:
+    """A pack's whole-file BLAKE3, fed with the fetcher's reads as they pass (gaps read here).
+
+    Each pack byte is read once while the reads come in file order; after an overlap or a
+    failed read the digest is taken again over the whole file at the end.
+    """
+
+    def __init__(self, tier: Tier, path: str, advance: Callable[[int], None]) -> None:
+        self.tier, self.path, self.advance = tier, path, advance
+        self.hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        self.streaming = True
+        self.pos = self.nread = 0
+        self._scratch: memoryview | None = None
+
+    def on_read(self, file: SourceFile, offset: int, view: memoryview) -> None:
+        self.counted(view.nbytes)
+        if not self.streaming:
+            return
+        if offset < self.pos:
+            self.streaming = False
+            return
+        try:
+            self.feed(self.pos, offset)
+        except (ShoalError, OSError):
+            self.streaming = False  # the chunks there fail on their own; the digest is taken again
+            return
+        self.hasher.update(view)
+        self.pos = offset + view.nbytes
+
+    def counted(self, n: int) -> None:
+        self.nread += n
+        self.advance(n)
+
+    def feed(self, start: int, stop: int) -> None:
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_BLOCK))
+        for at in range(start, stop, _BLOCK):
+            view = self._scratch[: min(_BLOCK, stop - at)]
+            self.tier.read_range_into(self.path, at, view)
+            self.counted(view.nbytes)
+            self.hasher.update(view)
+
+    def check(self, size: int, expected: str, where: str) -> list[Problem]:
+        """Finish the digest of the pack's ``size`` bytes; a problem unless it is ``expected``."""
+        try:
+            if self.streaming:
+                self.feed(self.pos, size)
+            else:
+                self.hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+                self.feed(0, size)
+            expect_digest(
+                self.hasher.hexdigest(), expected, f"pack {where}: whole-file BLAKE3 (all {size} bytes)"
+            )
+        except ChecksumMismatch as e:
+            return [Problem(str(e), pack=where)]
+        except (ShoalError, OSError) as e:
+            return [Problem(f"pack {where}: read failed: {e}", pack=where)]
+        return []
+
+
+def _check_chunks(
+    tier: Tier, path: str, spans: list[tuple[tuple[int, int, str], list[Use]]], whole: _WholePack
+) -> list[Problem]:
+    """Read and verify each span with the chunk fetcher (per contiguous run), feeding ``whole``."""
+    where = f"{tier.url}/{path}"
+    file = SourceFile(tier, path)
+    requests = [ChunkRequest(d, n, (), [ChunkSource(file, off)], "chunk") for (off, n, d), _ in spans]
+    longest = max((n for (_, n, _), _ in spans), default=0)
+    result = Fetcher(max_run=max(longest, _BLOCK), on_read=whole.on_read).fetch(requests)
+    problems: list[Problem] = []
+    for i in result.lost:
+        (offset, length, _), uses = spans[i]
+        error = result.error(i)
+        if isinstance(error, ChecksumMismatch):
+            msg = f"pack {where} offset {offset} length {length}: {error}"
+        else:
+            msg = f"pack {where} offset {offset}: read failed: {error}"
+        problems += _uses_problem(msg, where, uses, offset, length)
+    return problems
+
+
 def verify_pack(
     tier: Tier, work: _PackWork, advance: Callable[[int], None]
 ) -> tuple[int, int, list[Problem]]:
@@ -314,65 +396,19 @@ def verify_pack(
                 f"pack {where} is {size} bytes; the manifests say {expected.size} (truncated?)", pack=where
             )
         )
-    longest = max((length for _, length, _ in work.spans), default=0)
-    scratch = memoryview(bytearray(max(longest, _BLOCK)))
-    whole = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    streaming = True  # the whole-file digest is fed as the chunks pass; off after an overlap
-    pos = nread = 0
-
-    def read(offset: int, length: int) -> memoryview:
-        nonlocal nread
-        view = scratch[:length]
-        tier.read_range_into(path, offset, view)
-        nread += length
-        advance(length)
-        return view
-
-    def feed(start: int, stop: int) -> None:
-        for at in range(start, stop, _BLOCK):
-            whole.update(read(at, min(_BLOCK, stop - at)))
-
+    whole = _WholePack(tier, path, advance)
+    inside = []
     for (offset, length, dig), uses in sorted(work.spans.items()):
         if offset + length > size:
             msg = f"pack {where} offset {offset} length {length} lies past the end of the pack ({size} bytes)"
             problems += _uses_problem(msg, where, uses, offset, length)
-            streaming = False
-            continue
-        if offset < pos:
-            streaming = False
-        try:
-            if streaming:
-                feed(pos, offset)
-            data = read(offset, length)
-            if streaming:
-                whole.update(data)
-                pos = offset + length
-            actual = digest(data)
-        except (ShoalError, OSError) as e:
-            msg = f"pack {where} offset {offset}: read failed: {e}"
-            problems += _uses_problem(msg, where, uses, offset, length)
-            streaming = False
-            continue
-        if actual != dig:
-            msg = f"pack {where} offset {offset} length {length} has BLAKE3 {actual}, expected {dig}"
-            problems += _uses_problem(msg, where, uses, offset, length)
+            whole.streaming = False
+        else:
+            inside.append(((offset, length, dig), uses))
+    problems += _check_chunks(tier, path, inside, whole)
     if size == expected.size:
-        try:
-            if streaming:
-                feed(pos, size)
-            else:
-                whole = blake3.blake3(max_threads=blake3.blake3.AUTO)
-                feed(0, size)
-            if whole.hexdigest() != expected.blake3:
-                problems.append(
-                    Problem(
-                        f"pack {where}: whole-file BLAKE3 is {whole.hexdigest()}, expected {expected.blake3}",
-                        pack=where,
-                    )
-                )
-        except (ShoalError, OSError) as e:
-            problems.append(Problem(f"pack {where}: read failed: {e}", pack=where))
-    return len(work.spans), nread, problems
+        problems += whole.check(size, expected.blake3, where)
+    return len(work.spans), whole.nread, problems
 
 
 def verify(tier: Tier, step: int | None = None, *, jobs: int = 4, progress: bool = True) -> Report:
