@@ -22,6 +22,7 @@ from shoal.cli.export_safetensors import supported_dtype
 from shoal.cli.main import main
 from shoal.format import layout
 from shoal.testing.checkpoints import assert_state_equal, bits, make_config, rich_state, zeros_like_state
+from shoal.tiers.shared import FsspecTier
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -204,6 +205,42 @@ def test_a_corrupted_chunk_fails_the_export_and_leaves_nothing_behind(config, tm
         assert code == 2 and out == ""
         assert "item 'w'" in err and "chunk 0" in err and f"offset {offset}" in err and "Traceback" not in err
         assert not out_dir.exists()
+
+
+def _runs(manifest: dict[str, Any]) -> int:
+    """Back-to-back runs of the chunks a manifest uses, over all its packs."""
+    spans = sorted({tuple(loc) for loc in manifest["locations"].values()})
+    runs, end = 0, None
+    for pack, offset, length in spans:
+        if end != (pack, offset):
+            runs += 1
+        end = (pack, offset + length)
+    return runs
+
+
+def test_export_reads_each_run_of_a_pack_at_once_not_each_item(config, tmp_path, capsys, monkeypatch):
+    state = {f"layer{i}": torch.randn(256) for i in range(300)}  # 1 KiB each
+    url = save(config, state)
+    manifest = json.loads(Path(url, layout.manifest_path(1)).read_bytes())
+    runs = _runs(manifest)
+    assert runs <= len(manifest["packs"]) < 30  # the items lie back to back in few packs
+    reads: list[str] = []
+    original = FsspecTier.read_range_into
+
+    def counting(self: FsspecTier, path: str, offset: int, out: memoryview) -> None:
+        if path.endswith(".pack"):
+            reads.append(path)
+        original(self, path, offset, out)
+
+    monkeypatch.setattr(FsspecTier, "read_range_into", counting)
+    for fmt in ("dcp", "safetensors"):
+        reads.clear()
+        code, out, err = run(capsys, "export", url, "--format", fmt, str(tmp_path / fmt))
+        assert code == 0, err
+        assert len(reads) == runs, fmt  # one read per run of chunks, verified and scattered
+    exported = safetensors_torch.load_file(str(tmp_path / "safetensors" / "model.safetensors"))
+    assert exported.keys() == state.keys()
+    assert all(torch.equal(bits(exported[k]), bits(v)) for k, v in state.items())
 
 
 # -- safetensors ---------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """``shoal export --format dcp``: a checkpoint as a stock PyTorch DCP directory.
 
-Written item by item from verified reads (every chunk's BLAKE3 is checked before its
-bytes are used) into a local directory, in exactly the layout torch's ``FileSystemWriter``
-writes: one
-``__<rank>_0.distcp`` per saving rank holding each write item back to back (opaque
-objects as DCP's planner serialized them, tensors with ``torch.save``), then
+Written item by item from verified reads (the chunk fetcher, per contiguous run of a pack;
+every chunk's BLAKE3 is checked before its bytes are used) into a local directory, in
+exactly the layout torch's ``FileSystemWriter`` writes: one ``__<rank>_0.distcp`` per saving
+rank holding each write item back to back (opaque objects as DCP's planner serialized them,
+tensors with ``torch.save``), then
 ``.metadata`` (a pickled DCP ``Metadata`` whose ``storage_data`` maps every item to its
 file, offset and length). ``torch.distributed.checkpoint.FileSystemReader(OUT_DIR)`` loads
 it, with or without a process group, and ``dcp_to_torch_save`` converts it.
@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 
-from shoal.cli.source import item_tensor, output_dir, storage_keys, write_durably
+from shoal.cli.source import item_tensor, output_dir, read_in_batches, storage_keys, write_durably
 from shoal.engine.store import ItemReader
 from shoal.errors import FormatError
 from shoal.format.manifest import ItemRecord, Manifest
@@ -90,9 +90,8 @@ def export_dcp(
             name = f"__{rank}_0{DCP_SUFFIX}"
             written.append(out_dir / name)
             with open(out_dir / name, "wb") as f:
-                for key in group:
+                for key, data in read_in_batches(reader, group):
                     rec = manifest.items[key]
-                    data = reader.read(key)
                     offset = f.tell()
                     if rec.kind == "bytes":
                         f.write(data)

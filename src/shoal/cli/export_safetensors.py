@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shoal.cli.common import CliError
-from shoal.cli.source import item_tensor, output_dir, storage_keys, write_durably
+from shoal.cli.source import batches, item_tensor, output_dir, storage_keys, write_durably
 from shoal.engine.store import ItemReader
 from shoal.errors import FormatError
 from shoal.format.manifest import Manifest
@@ -79,25 +79,37 @@ def plan_shards(sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
     return shards
 
 
-def _assemble(
-    reader: ItemReader,
-    manifest: Manifest,
-    keys: dict[tuple[str, tuple[int, ...] | None], str],
-    fqn: str,
-    meta: TensorStorageMetadata,
-    advance: Callable[[int], None],
-) -> torch.Tensor:
-    """The whole tensor ``fqn``: its one stored item, or its DCP chunks copied into place."""
+Keys = dict[tuple[str, tuple[int, ...] | None], str]
+"""``(fqn, offsets)`` of each DCP write item -> the stored item holding it."""
 
-    def chunk_tensor(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+
+def _parts(
+    manifest: Manifest, keys: Keys, fqn: str, meta: TensorStorageMetadata
+) -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
+    """``(offsets, sizes, stored item)`` of each DCP chunk of tensor ``fqn``."""
+    parts = []
+    for c in meta.chunks:
+        offsets = tuple(c.offsets)
         key = keys.get((fqn, offsets))
         if key is None:
             raise FormatError(
                 f"step {manifest.step}: tensor {fqn!r} has no stored item for its chunk at {list(offsets)}"
             )
-        rec = manifest.items[key]
-        part = item_tensor(reader.read(key), rec)
-        advance(rec.nbytes)
+        parts.append((offsets, tuple(c.sizes), key))
+    return parts
+
+
+def _assemble(
+    manifest: Manifest,
+    fqn: str,
+    meta: TensorStorageMetadata,
+    parts: list[tuple[tuple[int, ...], tuple[int, ...], str]],
+    data: dict[str, bytearray],
+) -> torch.Tensor:
+    """The whole tensor ``fqn``: its one stored item, or its DCP chunks (in ``data``) copied into place."""
+
+    def chunk_tensor(offsets: tuple[int, ...], sizes: tuple[int, ...], key: str) -> torch.Tensor:
+        part = item_tensor(data[key], manifest.items[key])
         if tuple(part.shape) != sizes or part.dtype != meta.properties.dtype:
             raise FormatError(
                 f"step {manifest.step}: tensor {fqn!r}: chunk at {list(offsets)} is stored as "
@@ -107,13 +119,12 @@ def _assemble(
         return part
 
     size = tuple(meta.size)
-    chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
-    if len(chunks) == 1 and chunks[0] == ((0,) * len(size), size):
-        return chunk_tensor(*chunks[0])
+    if len(parts) == 1 and parts[0][:2] == ((0,) * len(size), size):
+        return chunk_tensor(*parts[0])
     full = torch.empty(size, dtype=meta.properties.dtype)
     covered = 0
-    for offsets, sizes in chunks:
-        part = chunk_tensor(offsets, sizes)
+    for offsets, sizes, key in parts:
+        part = chunk_tensor(offsets, sizes, key)
         target = full
         for dim, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
             target = target.narrow(dim, o, n)
@@ -121,10 +132,76 @@ def _assemble(
         covered += part.numel()
     if covered != full.numel():
         raise FormatError(
-            f"step {manifest.step}: tensor {fqn!r} {list(size)}: its {len(chunks)} chunks hold {covered} "
+            f"step {manifest.step}: tensor {fqn!r} {list(size)}: its {len(parts)} chunks hold {covered} "
             f"elements, the tensor has {full.numel()}; cannot assemble it"
         )
     return full
+
+
+def _read_shard(
+    reader: ItemReader,
+    keys: Keys,
+    tensors: dict[str, tuple[str, TensorStorageMetadata]],
+    shard: list[str],
+    advance: Callable[[int], None],
+) -> dict[str, torch.Tensor]:
+    """The tensors of ``shard`` by name, read :data:`READ_BATCH` bytes of stored items at a time."""
+    manifest = reader.manifest
+    parts = {name: _parts(manifest, keys, *tensors[name]) for name in shard}
+    stored = ((name, sum(manifest.items[k].nbytes for *_, k in parts[name])) for name in shard)
+    out: dict[str, torch.Tensor] = {}
+    for names in batches(stored):
+        data = reader.read_items([k for name in names for *_, k in parts[name]])
+        for name in names:
+            out[name] = _assemble(manifest, *tensors[name], parts[name], data)
+            advance(sum(manifest.items[k].nbytes for *_, k in parts[name]))
+    return out
+
+
+def _select(
+    md: Metadata, strip_prefix: str, strict: bool, warn: Callable[[str], object]
+) -> dict[str, tuple[str, TensorStorageMetadata]]:
+    """Exported name -> (FQN, metadata) of each tensor to write; what safetensors cannot hold is named."""
+    tensors: dict[str, tuple[str, TensorStorageMetadata]] = {}
+    objects: list[str] = []
+    unsupported: list[str] = []
+    for fqn, meta in md.state_dict_metadata.items():
+        if strip_prefix and not (fqn.startswith(strip_prefix) and len(fqn) > len(strip_prefix)):
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            objects.append(fqn)
+        elif not supported_dtype(meta.properties.dtype):
+            unsupported.append(f"{fqn} ({str(meta.properties.dtype).removeprefix('torch.')})")
+        else:
+            tensors[fqn[len(strip_prefix) :]] = (fqn, meta)
+    for what, names in (
+        ("objects that are not tensors", objects),
+        ("tensors of dtypes safetensors lacks", unsupported),
+    ):
+        if not names:
+            continue
+        if strict:
+            raise CliError(
+                f"safetensors cannot hold the checkpoint's {what}: {', '.join(names)} "
+                "(drop --strict to skip them)"
+            )
+        warn(f"skipped {len(names)} {what}: {', '.join(names)}")
+    return tensors
+
+
+def _save_file(st: ModuleType, path: Path, data: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write one safetensors file durably, through a temporary name, with the usual file mode."""
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp = path.with_name(path.name + ".tmp")
+    st.save_file(data, str(tmp), metadata=metadata)
+    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; give the usual mode
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    tmp.replace(path)
 
 
 def export_safetensors(
@@ -144,38 +221,13 @@ def export_safetensors(
     st = _safetensors()
     by_index = storage_keys(manifest, md)
     keys = {(i.fqn, tuple(i.offset) if i.offset is not None else None): k for i, k in by_index.items()}
-    sizes: dict[str, int] = {}
-    tensors: dict[str, tuple[str, TensorStorageMetadata]] = {}
-    objects: list[str] = []
-    unsupported: list[str] = []
-    for fqn, meta in md.state_dict_metadata.items():
-        if strip_prefix and not (fqn.startswith(strip_prefix) and len(fqn) > len(strip_prefix)):
-            continue
-        if not isinstance(meta, TensorStorageMetadata):
-            objects.append(fqn)
-        elif not supported_dtype(meta.properties.dtype):
-            unsupported.append(f"{fqn} ({str(meta.properties.dtype).removeprefix('torch.')})")
-        else:
-            name = fqn[len(strip_prefix) :]
-            tensors[name] = (fqn, meta)
-            sizes[name] = _nbytes(meta)
-    for what, names in (
-        ("objects that are not tensors", objects),
-        ("tensors of dtypes safetensors lacks", unsupported),
-    ):
-        if not names:
-            continue
-        if strict:
-            raise CliError(
-                f"safetensors cannot hold the checkpoint's {what}: {', '.join(names)} "
-                "(drop --strict to skip them)"
-            )
-        warn(f"skipped {len(names)} {what}: {', '.join(names)}")
+    tensors = _select(md, strip_prefix, strict, warn)
     if not tensors:
         raise CliError(
             f"step {manifest.step} has no tensors to export"
             + (f" under {strip_prefix!r}" if strip_prefix else "")
         )
+    sizes = {name: _nbytes(meta) for name, (_, meta) in tensors.items()}
     shards = plan_shards(sizes, max_shard_size)
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -185,24 +237,13 @@ def export_safetensors(
         else []
     )
     metadata = {"format": "pt", "shoal_job": manifest.job, "shoal_step": str(manifest.step)}
-    umask = os.umask(0)
-    os.umask(umask)
     with output_dir(out_dir, stale, overwrite=overwrite) as written:
         reader = ItemReader(tier, manifest)
         for file_name, shard in zip(names, shards, strict=True):
-            data = {name: _assemble(reader, manifest, keys, *tensors[name], advance) for name in shard}
-            path = out_dir / file_name
-            written.append(path)
-            tmp = path.with_name(path.name + ".tmp")
-            st.save_file(data, str(tmp), metadata=metadata)
+            data = _read_shard(reader, keys, tensors, shard, advance)
+            written.append(out_dir / file_name)
+            _save_file(st, written[-1], data, metadata)
             del data
-            os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; give the usual mode
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            tmp.replace(path)
         if n > 1:
             index = {
                 "metadata": {"total_size": sum(sizes.values())},

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from shoal.cli.common import CliError, directory_at, missing_step, read_pointer_strictly
-from shoal.engine.store import list_steps, resolve_manifest
+from shoal.engine.store import ItemReader, list_steps, resolve_manifest
 from shoal.errors import CheckpointNotFound, FormatError, MissingFile, ShoalError
 from shoal.format import layout
 from shoal.format.crosscheck import check_against_dcp
@@ -110,6 +110,31 @@ def check_stored(tier: Tier, manifest: Manifest, keys: Iterable[str]) -> None:
                 f"pack {path} is {size} bytes, manifest {where} says {expected} (truncated or replaced?); "
                 f"shoal verify {tier.url} lists what it affects"
             )
+
+
+READ_BATCH = 64 << 20
+"""Bytes of items an export reads with one fetch (per contiguous run of each pack) at most."""
+
+
+def batches(sizes: Iterable[tuple[str, int]], limit: int = READ_BATCH) -> Iterator[list[str]]:
+    """The names of ``(name, bytes)`` in order, in lists of at most ``limit`` bytes (a bigger one alone)."""
+    batch: list[str] = []
+    used = 0
+    for name, n in sizes:
+        if batch and used + n > limit:
+            yield batch
+            batch, used = [], 0
+        batch.append(name)
+        used += n
+    if batch:
+        yield batch
+
+
+def read_in_batches(reader: ItemReader, keys: Iterable[str]) -> Iterator[tuple[str, bytearray]]:
+    """Each item of ``keys`` (in order) with its verified bytes, read :data:`READ_BATCH` bytes at a time."""
+    items = reader.manifest.items
+    for batch in batches((key, items[key].nbytes) for key in keys):
+        yield from reader.read_items(batch).items()
 
 
 def item_dtype(rec: ItemRecord) -> torch.dtype:
