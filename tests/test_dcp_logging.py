@@ -1,15 +1,21 @@
-"""Checkpointer.save raises DCP's logger to INFO only while its records reach no one, and restores it."""
+"""Checkpointer.save and DCP's logger: quieted, or gone around, only while its records reach no one."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from torch.distributed.checkpoint import logger as dcp_logging
 
+import shoal
+import shoal.checkpointer
 from shoal.checkpointer import _quiet_dcp_logger
+from shoal.testing.checkpoints import make_config
 
 
 @pytest.fixture
@@ -70,3 +76,47 @@ def test_the_level_is_restored_after_an_error_and_across_threads(dcp_logger: log
     leave.set()
     t.join()
     assert dcp_logger.level == logging.DEBUG
+
+
+class _Counter:
+    """A ``Stateful`` value (not a tensor, not a module)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": torch.tensor(self.n)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n = int(sd["n"])
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_save_goes_around_dcp_save_only_while_its_logger_reaches_no_one(
+    tmp_path: Path,
+    dram_root: Path,
+    dcp_logger: logging.Logger,
+    monkeypatch: pytest.MonkeyPatch,
+    configured: bool,
+) -> None:
+    dcp_logger.handlers[:] = [logging.NullHandler(), *([logging.StreamHandler()] if configured else [])]
+    dcp_logger.propagate = False
+    calls: list[int] = []
+    real_save = shoal.checkpointer.torch_dcp.save
+
+    def counted(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return real_save(*a, **k)
+
+    monkeypatch.setattr(shoal.checkpointer.torch_dcp, "save", counted)
+    model = torch.nn.Linear(3, 2)
+    state = {"w": torch.randn(5, 4), "model": model, "counter": _Counter(7), "extra": {"lr": 0.1}}
+    with shoal.Checkpointer(make_config(tmp_path, dram_root)) as ckpt:
+        ckpt.save(1, state).wait(shoal.Boundary.RESTARTABLE, timeout=60)
+        assert calls == ([1] if configured else [])
+        out_model = torch.nn.Linear(3, 2)
+        torch.nn.init.zeros_(out_model.weight)
+        out = {"w": torch.zeros(5, 4), "model": out_model, "counter": _Counter(0), "extra": {"lr": 0.0}}
+        assert ckpt.load(out) == 1
+    assert torch.equal(out["w"], state["w"]) and out["counter"].n == 7 and out["extra"] == {"lr": 0.1}
+    assert torch.equal(out_model.weight, model.weight) and torch.equal(out_model.bias, model.bias)

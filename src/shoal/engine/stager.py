@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from shoal.engine.staged import SIDECAR_SUFFIXES, STAGED_DIR
 from shoal.errors import InvalidName, UnsupportedValue
 from shoal.format.names import check_item_key
 
@@ -218,13 +219,22 @@ class SlotRing:
         with self._cond:
             return any(not s.in_flight and (s.slab is None or s.slab.capacity < nbytes) for s in self._slots)
 
+    def _delete_sidecars(self, slot_name: str) -> None:
+        """Delete the sidecars of ``slot_name``'s staged index (its DCP metadata and digests), if any."""
+        delete = getattr(self._dram, "delete", None)
+        if delete is not None:
+            for suffix in SIDECAR_SUFFIXES:
+                delete(f"{STAGED_DIR}/{slot_name}{suffix}")
+
     def close(self, *, release_memory: bool = False) -> None:
         """Unmap every slab (the ring must not be used afterwards).
 
         With ``release_memory`` the slab files of every slot are deleted too (those an
-        earlier process of this rank left, as well), returning their memory to
-        ``/dev/shm``; call it only when nothing staged is still needed (every
-        checkpoint finished). Without it the slabs stay for a restarted process.
+        earlier process of this rank left, as well), with the sidecars of their staged
+        indexes (:mod:`shoal.engine.staged`; the index itself is deleted first, by the
+        caller), returning their memory to ``/dev/shm``; call it only when nothing staged
+        is still needed (every checkpoint finished). Without it the slabs stay for a
+        restarted process.
         """
         delete = getattr(self._dram, "delete_slab", None)
         with self._cond:
@@ -232,6 +242,8 @@ class SlotRing:
                 close = getattr(slot.slab, "close", None)
                 if close is not None:
                     close()
+                if release_memory:
+                    self._delete_sidecars(slot.name)
                 if release_memory and delete is not None:
                     delete(slot.name)  # also a slab an earlier process of this rank left behind
                 slot.slab = None
