@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 from shoal.errors import ChecksumMismatch, TierError
@@ -244,9 +245,7 @@ class Fetcher:
             pos = offset - start
             chunk = view[pos : pos + req.length]
             try:
-                verify(
-                    chunk, req.digest, lambda r=req, o=offset: f"{r.describe()} read from {file.describe(o)}"
-                )
+                verify(chunk, req.digest, partial(_what, req, file, offset))  # the text only on a mismatch
             except ChecksumMismatch as e:
                 self._fail(i, requests, at, result, failed, e)
                 continue
