@@ -15,12 +15,14 @@ writers alone (:func:`~shoal.engine.retention.plan_retention`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Collection
 
+from shoal._collector import collector_paused
 from shoal.boundary import Boundary
 from shoal.engine.fence import WriterFence
 from shoal.engine.group_save import GroupSave, PipelineContext, SaveJob
@@ -121,13 +123,15 @@ class Pipeline:
                 try:
                     abandoned = job.gate.wait()
                     if abandoned is None:
-                        GroupSave(self.context, job).run()
+                        with _paused_for(job):
+                            GroupSave(self.context, job).run()
                     else:
                         self._abandon(job, abandoned)
                 finally:
                     self.ring.release(job.slot)
                 if job.handle.error is None:
-                    self._retain(job.step)
+                    with _paused_for(job):
+                        self._retain(job.step)
             except Exception:  # pragma: no cover - GroupSave.run never raises; keep the worker alive anyway
                 log.exception("pipeline worker: unexpected error on step %d", job.step)
             finally:
@@ -211,6 +215,21 @@ class Pipeline:
             )
             return None
         return fence.lineage
+
+
+_MANY_ITEMS = 1000
+"""From this many items in a rank's checkpoint, the pipeline pauses the collector for it."""
+
+
+def _paused_for(job: SaveJob) -> contextlib.AbstractContextManager[None]:
+    """The collector paused for ``job``'s trip through the pipeline when it has many items.
+
+    Per-item tables by the ten thousand, and no cycles: a collection during them traverses every
+    object the process holds (the training state's too), several times per checkpoint. With
+    few items the tables are small; the collector is left alone then, since the trip can be
+    long (a drain of large tensors to slow storage, other ranks' collectives).
+    """
+    return collector_paused() if len(job.slot.items) >= _MANY_ITEMS else contextlib.nullcontext()
 
 
 def run_retention(
