@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import io
 import os
 import pickle
 import re
+import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -74,6 +77,48 @@ def _is_shard(item: WriteItem) -> bool:
     return any(o != 0 for o in td.chunk.offsets) or tuple(td.chunk.sizes) != tuple(td.size)
 
 
+@functools.cache
+def _pinning_possible() -> bool:
+    """Whether a CPU tensor can be pinned here (an accelerator exists); if not, none is."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        return True
+    return bool(torch.cuda.is_available())
+
+
+def _layout_signature(state_dict: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """What DCP's local save plan of the flattened ``state_dict`` depends on, or None if not only that.
+
+    Per key: for a plain tensor its dtype, layout, device, shape, ``requires_grad`` and whether it
+    is pinned (what DCP's ``TensorProperties`` records); for a non-tensor value only that it is one
+    (a ``BYTE_IO`` item, serialised when written). A tensor subclass (DTensor, ShardedTensor) or
+    anything with its own write items: None (never cached).
+    """
+    pinnable = _pinning_possible()
+    out: list[tuple[Any, ...]] = []
+    for key, v in state_dict.items():
+        if type(v) is torch.Tensor:
+            pinned = v.is_pinned() if pinnable else False
+            out.append((key, v.dtype, v.layout, v.device, v.shape, v.requires_grad, pinned))
+        elif isinstance(v, torch.Tensor) or hasattr(v, "__create_write_items__"):
+            return None
+        else:
+            out.append((key,))
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class _PlanCache:
+    """The last local plan and global plan a :class:`SavePlanner` made in this process, by layout."""
+
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    local: tuple[tuple[Any, ...], bool, dict[str, Any], SavePlan] | None = None
+    """(layout signature, is_coordinator, flattening mappings, the plan)."""
+    global_: tuple[list[SavePlan], list[SavePlan], Metadata] | None = None
+    """(the local plans it was made from, the global plans, the metadata)."""
+    hits: int = 0
+
+
 class SavePlanner(DefaultSavePlanner):
     """DCP's default save planner, with name-replicated items balanced across hosts.
 
@@ -84,6 +129,51 @@ class SavePlanner(DefaultSavePlanner):
     plan comes from shoal's :class:`StorageWriter` (``prepare_local_plan``); with
     another writer every rank counts as its own host.
     """
+
+    _cache = _PlanCache()
+
+    def create_local_plan(self) -> SavePlan:
+        """DCP's local plan, the one made last time when the layout is the same (keys, dtypes,
+        shapes, flags): an unchanged state is not planned again, item by item."""
+        if self._enable_plan_caching or not self.flatten_state_dict:
+            return super().create_local_plan()
+        signature = _layout_signature(self.state_dict)
+        cache = SavePlanner._cache
+        with cache.lock:
+            hit = cache.local
+        if (
+            signature is not None
+            and hit is not None
+            and hit[0] == signature
+            and hit[1] == self.is_coordinator
+            and hit[2] == self.mappings
+        ):
+            self.plan = hit[3]
+            cache.hits += 1
+            return self.plan
+        plan = super().create_local_plan()
+        if signature is not None:
+            with cache.lock:
+                cache.local = (signature, self.is_coordinator, self.mappings, plan)
+        return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """DCP's global plan and metadata, the ones made last time when every rank's local plan is
+        the cached one (the same item lists and mappings; only one rank's plans are ever the same
+        objects). The metadata object is then the same too: ``finish`` fills its storage data anew."""
+        if self._enable_plan_caching:
+            return super().create_global_plan(all_plans)
+        cache = SavePlanner._cache
+        with cache.lock:
+            hit = cache.global_
+        if hit is not None and _same_plans(hit[0], all_plans):
+            self.global_plan, self.metadata = hit[1], hit[2]
+            cache.hits += 1
+            return self.global_plan, self.metadata
+        global_plan, metadata = super().create_global_plan(all_plans)
+        with cache.lock:
+            cache.global_ = (all_plans, global_plan, metadata)
+        return global_plan, metadata
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
         if len(all_plans) == 1:
@@ -116,6 +206,14 @@ class SavePlanner(DefaultSavePlanner):
             dataclasses.replace(plan, items=[it for it in plan.items if keep[it.index] == i])
             for i, plan in enumerate(all_plans)
         ]
+
+
+def _same_plans(cached: list[SavePlan], plans: list[SavePlan]) -> bool:
+    """Whether ``plans`` hold the very item lists and mappings of ``cached``, and the same hosts."""
+    return len(cached) == len(plans) and all(
+        c.items is p.items and c.planner_data is p.planner_data and c.storage_data == p.storage_data
+        for c, p in zip(cached, plans, strict=True)
+    )
 
 
 class StorageWriter(_DcpStorageWriter):
@@ -174,7 +272,7 @@ class StorageWriter(_DcpStorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 payload: Any = data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)
             else:
-                payload = data.detach() if isinstance(data, torch.Tensor) else data
+                payload = data  # no detach(): the stager copies under no_grad (a GIL round trip saved)
                 if not isinstance(payload, torch.Tensor):
                     raise UnsupportedValue(
                         f"item {key!r}: the planner resolved a {type(data).__name__}, not a tensor"
