@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import shoal
+from shoal.format import layout
 from shoal.testing.checkpoints import assert_state_equal, flip_byte, make_config, zeros_like_state
 
 
@@ -63,9 +64,18 @@ def test_with_every_copy_corrupt_the_load_fails_naming_the_item_and_each_copy(co
         out = zeros_like_state(state)
         with pytest.raises(shoal.ChecksumMismatch) as err:
             ckpt.load(out)
+        manifest, shared_url = ckpt.shared.read(layout.manifest_path(1)), ckpt.shared.url
     msg = str(err.value)
     assert "'w' chunk 1" in msg and "slab" in msg and os.path.basename(pack) in msg
     assert torch.count_nonzero(out["w"][16384:32768]) == 0  # the bad bytes never reached the tensor
+    # each copy tried is named with its tier, file and offset, and both digests
+    chunk = json.loads(manifest)["items"]["w"]["chunks"][1]
+    pack_offset = json.loads(manifest)["locations"][chunk][1]
+    shared_copy = f"pack {shared_url}/packs/{os.path.basename(pack)} at offset {pack_offset} (shared tier)"
+    assert f"item 'w' chunk 1 ({chunk}) read from {shared_copy}: BLAKE3 digest is " in msg
+    slab_name = os.path.basename(slab).removesuffix(".slab")
+    assert f"item 'w' chunk 1 ({chunk}) read from slab {slab_name} of " in msg
+    assert msg.count(f"expected {chunk}") == 2
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

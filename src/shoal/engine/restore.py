@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal._collector import collector_paused
 from shoal.engine.fetch import ChunkRequest, ChunkSource, Fetcher, SourceFile
 from shoal.engine.inventory import (
     HostInventory,
@@ -119,6 +120,8 @@ class Restore:
         self._fetcher = Fetcher()
         self._files: dict[tuple[str, str | None, str, bool], SourceFile | str] = {}
         """Each source file this rank reads, once made (or why it cannot read it)."""
+        self._first_use: dict[str, tuple[str, int]] = {}
+        """Per digest this rank places, the first (item key, chunk index) it fills: for messages."""
 
     @property
     def rank(self) -> int:
@@ -127,6 +130,10 @@ class Restore:
     # -- R1, R2 ------------------------------------------------------------------------------
     def begin(self, step: int | None) -> Manifest:
         """Collective: take the inventory and agree on the checkpoint to load; returns its manifest."""
+        with collector_paused():  # decoding manifests and indexes: objects by the million, no cycles
+            return self._begin(step)
+
+    def _begin(self, step: int | None) -> Manifest:
         ctx = self.ctx
         inv: HostInventory | str | None = None
         if ctx.topology.leader(ctx.host) == self.rank:
@@ -195,8 +202,19 @@ class Restore:
         Every rank must call it, even with nothing to read; ``problem`` (a rank's bad read
         request) fails the load on every rank with that message.
         """
+        assert self.manifest is not None and self.choice is not None
+        with collector_paused():  # plans, requests and views by the thousand, no cycles
+            plan = self._agree_plan(dests, problem)  # R3, R4
+            places = self._places(dests)
+            held: dict[str, memoryview] = {}
+            reader_of = self._read_rounds(plan, places, held)  # read, R5, R4'
+            error = self._exchange(reader_of, places, held)
+            return self._finish(error)  # R6
+
+    def _agree_plan(self, dests: Mapping[str, memoryview], problem: str | None) -> ReadPlan:
+        """R3 (every rank's needs, or its problem) and R4 (the coordinator's read plan)."""
         ctx, manifest = self.ctx, self.manifest
-        assert manifest is not None and self.choice is not None
+        assert manifest is not None
         if problem is None:
             problem = self._check_dests(manifest, dests)
         needs = ctx.fabric.all_gather((sorted(dests), problem))  # R3
@@ -204,21 +222,36 @@ class Restore:
         plan: ReadPlan | Exception | str | None = None
         if ctx.fabric.is_coordinator:
             problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(needs) if p]
-            plan = (
-                "; ".join(problems) if problems else self._guarded(lambda: self._plan([k for k, _ in needs]))
-            )
+            plan = "; ".join(problems) if problems else self._guarded(lambda: self._plan(self._needs))
             if isinstance(plan, ReadPlan):
-                wanted = {k for keys, _ in needs for k in keys}
+                wanted = {k for keys in self._needs for k in keys}
                 full = all(k in wanted or not rec.nbytes for k, rec in manifest.items.items())
                 plan = dataclasses.replace(plan, complete=full)
         plan = self._agree(plan)  # R4
         self._complete = plan.complete
-        # Where each digest goes in this rank's buffers.
+        return plan
+
+    def _places(self, dests: Mapping[str, memoryview]) -> dict[str, list[memoryview]]:
+        """Where each digest goes in this rank's buffers."""
+        manifest = self.manifest
+        assert manifest is not None
         places: dict[str, list[memoryview]] = {}
+        first_use = self._first_use
         for key, view in dests.items():
-            for d, off, n in manifest.chunk_spans(key):
-                places.setdefault(d, []).append(view[off : off + n])
-        held: dict[str, memoryview] = {}
+            for i, (d, off, n) in enumerate(manifest.chunk_spans(key)):
+                mine = places.get(d)
+                if mine is None:
+                    places[d] = [view[off : off + n]]
+                    first_use[d] = (key, i)
+                else:
+                    mine.append(view[off : off + n])
+        return places
+
+    def _read_rounds(
+        self, plan: ReadPlan, places: Mapping[str, list[memoryview]], held: dict[str, memoryview]
+    ) -> dict[str, int]:
+        """Read this rank's part of ``plan``, then repairs (R5, R4') until none fail; who read each chunk."""
+        ctx = self.ctx
         reader_of: dict[str, int] = {}
         for round_ in range(_MAX_ROUNDS):
             failed = self._read(plan.reads_at(self.rank), places, held, repairing=round_ > 0)
@@ -232,12 +265,16 @@ class Restore:
                 repair = self._guarded(lambda p=plan, f=failures: self._replan(p, f))
             repair = self._agree(repair)  # R4'
             if not repair.reads:
-                break
+                return reader_of
             plan = repair
-        else:
-            raise RestoreFailed(f"step {manifest.step}: chunks still failing after {_MAX_ROUNDS} rounds")
-        error = self._exchange(reader_of, places, held)
-        stats = ctx.fabric.all_gather(
+        step = self.manifest.step if self.manifest is not None else "?"
+        raise RestoreFailed(f"step {step}: chunks still failing after {_MAX_ROUNDS} rounds")
+
+    def _finish(self, error: str | None) -> LoadReport:
+        """R6: every rank's stats (and exchange error), summed into the load's report."""
+        manifest, choice = self.manifest, self.choice
+        assert manifest is not None and choice is not None
+        stats = self.ctx.fabric.all_gather(
             (self._stats.by_tier, self._stats.fabric, self._stats.repaired, error, self._stats.broadcast)
         )  # R6
         errors = [f"rank {r}: {s[3]}" for r, s in enumerate(stats) if s[3]]
@@ -249,12 +286,12 @@ class Restore:
                 by_tier[k] = by_tier.get(k, 0) + v
         self.report = LoadReport(
             manifest.step,
-            self.choice.origin,
+            choice.origin,
             by_tier,
             sum(s[1] for s in stats),
             sum(s[2] for s in stats),
-            self.choice.skipped,
-            self.choice.committed,
+            choice.skipped,
+            choice.committed,
             self._complete,
             sum(s[4] for s in stats),
         )
@@ -381,7 +418,9 @@ class Restore:
                     unusable.append(f"{s.describe()}: {file}")
                 continue
             sources.append(ChunkSource(file, s.offset))
-        return ChunkRequest(r.digest, r.length, dest, sources), unusable
+        use = self._first_use.get(r.digest)
+        what = f"item {use[0]!r} chunk {use[1]} ({r.digest})" if use else ""
+        return ChunkRequest(r.digest, r.length, dest, sources, what), unusable
 
     def _read(
         self,
