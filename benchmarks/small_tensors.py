@@ -216,17 +216,18 @@ _STAGES = [  # (module[:class], attribute, label); indentation in the label = ne
     (
         "torch.distributed.checkpoint.state_dict_saver",
         "_stateful_to_state_dict",
-        "  torch: _stateful_to_state_dict (a logged wrapper per key)",
+        "  torch: _stateful_to_state_dict (a logged wrapper per key; gone around while nobody reads it)",
     ),
     (
         "torch.distributed.checkpoint.default_planner:DefaultSavePlanner",
         "set_up_planner",
         "  torch: set_up_planner (flatten)",
     ),
+    ("shoal.dcp:SavePlanner", "create_local_plan", "  create_local_plan (reused while the layout is)"),
     (
         "torch.distributed.checkpoint.default_planner:DefaultSavePlanner",
         "create_local_plan",
-        "  torch: create_local_plan (a WriteItem per item)",
+        "    torch: create_local_plan (a WriteItem per item)",
     ),
     ("shoal.dcp:SavePlanner", "create_global_plan", "  create_global_plan (torch's, with shoal's dedup)"),
     ("shoal.dcp:SavePlanner", "_dedup_save_plans", "    shoal: SavePlanner._dedup_save_plans"),
@@ -253,6 +254,8 @@ _STAGES = [  # (module[:class], attribute, label); indentation in the label = ne
     ("shoal.engine.group_save:GroupSave", "_manifest", "    _manifest (build)"),
     ("shoal.format.manifest:Manifest", "encode", "    Manifest.encode"),
     ("shoal.engine.pipeline:Pipeline", "_retain", "Pipeline._retain (retention after the commit)"),
+    ("shoal.engine.packlist:StepSummaries", "prime", "  StepSummaries.prime (the step just committed)"),
+    ("shoal.engine.packlist:StepSummaries", "list", "  StepSummaries.list (each step's packs, kept)"),
     ("shoal.engine.store", "read_manifest", "read_manifest (every call, either thread)"),
     ("shoal.checkpointer:Checkpointer", "load", "Checkpointer.load"),
     (
