@@ -21,6 +21,7 @@ import torch.distributed as dist
 from shoal import failpoints
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
+from shoal.engine.inventory import read_staged
 from shoal.testing.checkpoints import assert_state_equal, flip_byte, zeros_like_state
 from shoal.testing.scenarios import group_config
 
@@ -238,7 +239,6 @@ def load_resharded(rank: int, world: int, *, root: str) -> dict[str, Any]:
 def repair_across_hosts(rank: int, world: int, *, root: str) -> dict[str, Any]:
     """A chunk of rank 0's shard is corrupt in h0's DRAM slab and on shared storage: the load
     repairs it from h1's partner copy (re-planned on the other host) and is bit-exact."""
-    import json
 
     state = trained_state(rank, 1)
     with Checkpointer(group_config(root)) as ckpt:
@@ -248,16 +248,10 @@ def repair_across_hosts(rank: int, world: int, *, root: str) -> dict[str, Any]:
             manifest = ckpt.runtime.resolve_manifest(1)
             key = next(k for k, rec in manifest.items.items() if "r0.s" in k and rec.rank == 0)
             d = manifest.items[key].chunks[0]
-            staged = []
-            for dirpath, _, names in os.walk(os.path.join(root, "dram", "test", "h0")):
-                if os.path.basename(dirpath) != "staged":
-                    continue
-                for n in names:
-                    with open(os.path.join(dirpath, n)) as f:
-                        staged.append((os.path.dirname(dirpath), json.load(f)))
-            ((run_root, doc),) = [(r, s) for r, s in staged if s["rank"] == 0 and s["step"] == 1]
-            (item,) = [i for i in doc["items"] if i["chunks"] and i["chunks"][0] == d]
-            flip_byte(os.path.join(run_root, "slabs", doc["slab"] + ".slab"), item["offset"] + 5)
+            dram = ckpt.runtime.dram
+            (rec,) = [r for r in read_staged(dram, run_id=ckpt.runtime.run_id) if r.rank == 0 and r.step == 1]
+            (item,) = [i for i in rec.items if i.chunks and i.chunks[0] == d]
+            flip_byte(dram.slab_path(rec.slab), item.offset + 5)
             loc = manifest.locations[d]
             flip_byte(os.path.join(ckpt.shared.url, "packs", loc.pack + ".pack"), loc.offset + 5)
         dist.barrier()
