@@ -68,3 +68,20 @@ def test_tensor_subclasses_are_never_cached() -> None:
         pass
 
     assert _layout_signature({"x": torch.ones(2).as_subclass(Sub)}) is None
+
+
+def test_item_keys_are_computed_again_for_another_list_of_items() -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from shoal.dcp import _item_keys
+
+    items = [
+        WriteItem(MetadataIndex("a.b"), WriteItemType.BYTE_IO),
+        WriteItem(MetadataIndex("c"), WriteItemType.BYTE_IO),
+    ]
+    keys = _item_keys(items)
+    assert _item_keys(items) is keys
+    others = [WriteItem(MetadataIndex("d"), WriteItemType.BYTE_IO)]
+    assert _item_keys(others) != keys and len(_item_keys(others)) == 1
+    assert _item_keys(list(items)) == keys  # an equal list: computed again, the same keys

@@ -216,6 +216,24 @@ def _same_plans(cached: list[SavePlan], plans: list[SavePlan]) -> bool:
     )
 
 
+_keys_lock = threading.Lock()
+_last_keys: tuple[list[WriteItem], list[str]] | None = None
+
+
+def _item_keys(items: list[WriteItem]) -> list[str]:
+    """Each write item's stored key; those of the last list again when ``items`` is that very list
+    (a plan :class:`SavePlanner` reused: its items are frozen)."""
+    global _last_keys
+    with _keys_lock:
+        last = _last_keys
+    if last is not None and last[0] is items:
+        return last[1]
+    keys = [item_key(item.index, sharded=_is_shard(item)) for item in items]
+    with _keys_lock:
+        _last_keys = (items, keys)
+    return keys
+
+
 class StorageWriter(_DcpStorageWriter):
     """Writes one checkpoint (``step``) of ``checkpointer`` through DCP.
 
@@ -266,8 +284,7 @@ class StorageWriter(_DcpStorageWriter):
     def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
         entries: list[StageEntry] = []
         results: list[WriteResult] = []
-        for item in plan.items:
-            key = item_key(item.index, sharded=_is_shard(item))
+        for item, key in zip(plan.items, _item_keys(plan.items), strict=True):
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 payload: Any = data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)

@@ -154,3 +154,20 @@ def test_sidecars_without_an_index_are_leftovers_and_go_with_them(dram_root: Pat
     assert left.slot == idx.slab and left.step is None and left.index is None
     drop_leftover(dram, left)
     assert dram.list("staged/") == []
+
+
+def test_the_dcp_sidecar_is_the_same_json_whether_its_document_was_seen_before_or_not() -> None:
+    doc = {"state_dict_metadata": {"w": [1, 2.5, None, "x"]}, "nested": {"a": {"b": []}}}
+    first, second = _index(1, 10.0), _index(2, 20.0)
+    first.dcp = second.dcp = doc
+    for idx in (first, second, first):
+        expected = {
+            "format": "shoal-staged-dcp/1",
+            "step": idx.step,
+            "slab": idx.slab,
+            "created": idx.created,
+        }
+        assert json.loads(idx.encode_dcp()) == {**expected, "dcp": doc}
+    other = _index(3, 30.0)
+    other.dcp = {"state_dict_metadata": {}}
+    assert json.loads(other.encode_dcp())["dcp"] == {"state_dict_metadata": {}}

@@ -48,6 +48,11 @@ CHUNKS_SUFFIX = ".chunks"
 SIDECAR_SUFFIXES = (DCP_SUFFIX, CHUNKS_SUFFIX)
 
 
+_dcp_lock = threading.Lock()
+_last_dcp: tuple[Mapping[str, Any] | None, str] | None = None
+"""The last DCP metadata document written to a sidecar and its JSON (kept: an ``is`` check is sound)."""
+
+
 def staged_path(slot_name: str) -> str:
     return f"{STAGED_DIR}/{slot_name}{INDEX_SUFFIX}"
 
@@ -119,7 +124,19 @@ class StagedIndex:
         return json.dumps(doc).encode()
 
     def encode_dcp(self) -> bytes:
-        return json.dumps({"format": DCP_FORMAT, **self._bind(), "dcp": self.dcp}).encode()
+        """The DCP sidecar; the metadata's JSON is the last one's when it is the very same document
+        (:class:`~shoal.engine.metacache.MetadataEncoder` gives one per layout; none is changed)."""
+        global _last_dcp
+        with _dcp_lock:
+            last = _last_dcp
+        if last is not None and last[0] is self.dcp:
+            body = last[1]
+        else:
+            body = json.dumps(self.dcp)
+            with _dcp_lock:
+                _last_dcp = (self.dcp, body)
+        head = json.dumps({"format": DCP_FORMAT, **self._bind()})
+        return f'{head[:-1]}, "dcp": {body}}}'.encode()
 
     def encode_chunks(self) -> bytes:
         """Every item's digests, in item order: one hex string and each item's number of chunks."""
