@@ -316,7 +316,7 @@ class StorageWriter(_DcpStorageWriter):
         self.checkpointer.runtime.attach_metadata(self.step, metadata, gated=not self._managed)
         if not self._managed:
             # every rank's write results reached finish(): every rank has staged
-            self.handle._reach_at_least(Boundary.STAGED)
+            self.handle.reach_at_least(Boundary.STAGED)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

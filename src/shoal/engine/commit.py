@@ -54,6 +54,8 @@ class CheckpointCommit:
         self.step = step
         self.rank = rank
         self._record = record
+        self.manifest_digest: str | None = None
+        """The BLAKE3 of the manifest bytes written (what ``COMMIT`` and ``LATEST`` name)."""
         self.reached: Boundary | None = None
         """``PERSISTED`` once the manifest is durable, ``RESTARTABLE`` once ``LATEST`` names it."""
 
@@ -69,7 +71,8 @@ class CheckpointCommit:
         self._write("manifest", layout.manifest_path(step), manifest)
         self.reached = Boundary.PERSISTED
         failpoints.hit("pipeline.before_commit", rank=self.rank)
-        pointer = Pointer(step, digest(manifest)).encode()
+        self.manifest_digest = digest(manifest)
+        pointer = Pointer(step, self.manifest_digest).encode()
         self.fence.check(shared, f"commit step {step}")
         self._write("commit", layout.commit_path(step), pointer)
         try:

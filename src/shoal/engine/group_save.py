@@ -425,7 +425,7 @@ class GroupSave:
             kept = Holdings(ctx.shared_catalog.locations, ctx.shared_catalog.packs)
             manifest = build_manifest(self._header(), _items(reports), [drained, kept])
             commit.commit(manifest.encode(), manifest.packs)
-            ctx.shared_catalog.add_manifest(manifest)
+            ctx.shared_catalog.add_manifest(manifest, manifest_digest=commit.manifest_digest)
             return {"reached": Boundary.RESTARTABLE, "error": None}
         except Exception as e:
             ctx.shared_catalog = None  # rebuild from what the tier really holds

@@ -144,8 +144,3 @@ class SaveHandle:
             self._failed_at = boundary
             self._finished = True
             self._cond.notify_all()
-
-    # Old names, until every caller uses the public ones.
-    _reach_at_least = reach_at_least
-    _fail = fail
-    _set_path = set_path

@@ -47,6 +47,7 @@ from shoal.format.strict_json import load_json
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
 from shoal.tiers.local import check_private, ensure_private_dirs, open_private
+from shoal.tiers.slabs import require_slabs
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,6 @@ RUN_FORMAT = "shoal-run/1"
 RUNS_DIR = "runs"
 LOCKS_DIR = "locks"
 RUN_FILE = "RUN.json"
-SLABS_DIR = "slabs"
 
 
 @dataclass(frozen=True)
@@ -290,18 +290,14 @@ def _slot_rank(slot: str) -> int | None:
     return int(head[1:]) if head.startswith("r") and head[1:].isdigit() else None
 
 
-def find_leftovers(dram: DramTier, *, rank: int | None = None, own: Iterable[str] = ()) -> list[Leftover]:
+def find_leftovers(dram: Tier, *, rank: int | None = None, own: Iterable[str] = ()) -> list[Leftover]:
     """Staged checkpoints on ``dram`` (a run's DRAM tier) that no live slot of ``own`` holds.
 
     With ``rank``, only that rank's. Reads each staged index's step (a bounded read); a slab
     without a readable index is listed with ``step=None``.
     """
     mine = set(own)
-    slabs: dict[str, int] = {}
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        for entry in os.scandir(os.path.join(dram.root, SLABS_DIR)):
-            if entry.name.endswith(".slab") and entry.is_file(follow_symlinks=False):
-                slabs[entry.name[: -len(".slab")]] = entry.stat(follow_symlinks=False).st_size
+    slabs = require_slabs(dram, "find staged leftovers").list_slabs()
     indexes: dict[str, str] = {}
     sidecars: set[str] = set()  # slots with a sidecar of their index (it may be gone: a crash)
     for path in dram.list(STAGED_DIR + "/"):
@@ -328,13 +324,14 @@ def find_leftovers(dram: DramTier, *, rank: int | None = None, own: Iterable[str
     return out
 
 
-def drop_leftover(dram: DramTier, leftover: Leftover) -> None:
+def drop_leftover(dram: Tier, leftover: Leftover) -> None:
     """Delete a leftover: its staged index first (never an index over missing bytes), its sidecars,
     then its slab."""
+    slabs = require_slabs(dram, "drop a staged leftover")
     if leftover.index is not None:
         dram.delete(leftover.index)
     delete_staged(dram, leftover.slot)
-    dram.delete_slab(leftover.slot)
+    slabs.delete_slab(leftover.slot)
 
 
 __all__ = [

@@ -38,7 +38,8 @@ from shoal.format.manifest import ItemRecord, Manifest, WorldInfo
 from shoal.group.digests import DIGEST_SIZE
 from shoal.group.readplan import SHARED, Candidate, Source
 from shoal.tiers.base import Tier
-from shoal.tiers.dram import DramTier
+from shoal.tiers.roles import Role, kind_for
+from shoal.tiers.slabs import require_slabs
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def _items_v2(
     ]
 
 
-def _sidecars(dram: DramTier, path: str, doc: Mapping[str, Any]) -> dict[str, Any]:
+def _sidecars(dram: Tier, path: str, doc: Mapping[str, Any]) -> dict[str, Any]:
     """The DCP and chunks sidecars of the format-2 index at ``path`` that belong to it (by step, slab,
     creation time); a missing or malformed one, or one an earlier step of the slot left, is left out
     (without digests the items are hashed from the slab; without DCP metadata the step is no staged
@@ -178,10 +179,11 @@ def _sidecars(dram: DramTier, path: str, doc: Mapping[str, Any]) -> dict[str, An
     return out
 
 
-def _hashed(rec: StagedRecord, dram: DramTier) -> StagedRecord:
+def _hashed(rec: StagedRecord, dram: Tier) -> StagedRecord:
     """``rec`` with the digests of items the pipeline had not hashed yet, read from the slab."""
     if all(i.chunks is not None for i in rec.items):
         return rec
+    slabs = require_slabs(dram, "hash a staged slab")
     buf = bytearray(rec.chunk_size)
     items = []
     for i in rec.items:
@@ -189,14 +191,14 @@ def _hashed(rec: StagedRecord, dram: DramTier) -> StagedRecord:
             chunks = []
             for off in range(0, i.nbytes, rec.chunk_size):
                 view = memoryview(buf)[: min(rec.chunk_size, i.nbytes - off)]
-                dram.read_slab_into(rec.slab, i.offset + off, view)
+                slabs.read_slab_into(rec.slab, i.offset + off, view)
                 chunks.append(digest(view))
             i = dataclasses.replace(i, chunks=tuple(chunks))
         items.append(i)
     return dataclasses.replace(rec, items=tuple(items))
 
 
-def read_staged(dram: DramTier, *, run_id: str | None = None) -> list[StagedRecord]:
+def read_staged(dram: Tier, *, run_id: str | None = None) -> list[StagedRecord]:
     """Every readable staged index on ``dram`` of run ``run_id`` (others are skipped with a log line).
 
     A malformed index is skipped with a warning. Items staged but not hashed yet (a crash
@@ -235,7 +237,7 @@ class HostInventory:
 
 
 def host_inventory(
-    host: str, tiers: Mapping[str, Tier], dram: DramTier | None, *, run_id: str | None = None
+    host: str, tiers: Mapping[str, Tier], dram: Tier | None, *, run_id: str | None = None
 ) -> HostInventory:
     """List what ``host`` holds on its host tiers (``kind -> tier``: local, dram) and DRAM slabs.
 
@@ -329,6 +331,7 @@ def candidates_and_sources(hosts: Iterable[HostInventory], shared: SharedInvento
         manifests[(m.step, SHARED)] = m
         for d, loc in m.locations.items():
             add(d, Source(SHARED, None, loc.pack, loc.offset, loc.length), shared.packs)
+    staging = kind_for(Role.STAGING)
     for inv in hosts:
         for kind, m in inv.manifests:
             origin = f"{kind}:{inv.host}"
@@ -343,7 +346,11 @@ def candidates_and_sources(hosts: Iterable[HostInventory], shared: SharedInvento
                 for i, d in enumerate(item.chunks or ()):
                     off = i * rec.chunk_size
                     n = min(rec.chunk_size, item.nbytes - off)
-                    add(d, Source("dram", inv.host, rec.slab, item.offset + off, n, slab=True), frozenset())
+                    add(
+                        d,
+                        Source(staging, inv.host, rec.slab, item.offset + off, n, slab=True),
+                        frozenset(),
+                    )
     for m in staged_manifests([r for inv in hosts for r in inv.staged]):
         if (m.step, STAGED) not in manifests:
             candidates.append(_candidate(m, STAGED))
@@ -393,7 +400,3 @@ def staged_manifests(records: Iterable[StagedRecord]) -> list[Manifest]:
             )
         )
     return out
-
-
-def describe_sources(sources: Sequence[Source]) -> str:
-    return "; ".join(s.describe() for s in sources)

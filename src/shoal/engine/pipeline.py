@@ -149,7 +149,7 @@ class Pipeline:
                 delete_staged(self.context.dram, job.staged.slab)
             except Exception as e:
                 log.warning("could not delete the staged index of abandoned step %d: %s", job.step, e)
-        job.handle._fail(Boundary.STAGED, error)
+        job.handle.fail(Boundary.STAGED, error)
 
     def _retain(self, step: int) -> None:
         """Retention after ``step`` committed: the coordinator on shared, host leaders on their tier."""

@@ -20,6 +20,7 @@ from shoal import failpoints
 from shoal.engine.packwriter import write_pack
 from shoal.engine.protocol import PipelineContext
 from shoal.format import layout
+from shoal.format.chunking import digest
 from shoal.format.manifest import ItemRecord, decode_manifest
 from shoal.format.manifest_build import Holdings, ManifestHeader, build_manifest
 from shoal.format.pack import PackIndex
@@ -134,4 +135,4 @@ def write_host_manifest(ctx: PipelineContext, step: int, data: bytes) -> None:
     failpoints.hit("pipeline.before_replica_manifest", rank=ctx.rank)
     ctx.host_tier.write(layout.manifest_path(step), data)
     if catalog is not None:
-        catalog.add_manifest(manifest)
+        catalog.add_manifest(manifest, manifest_digest=digest(data))

@@ -35,7 +35,6 @@ from shoal.engine.fetch import ChunkRequest, ChunkSource, Fetcher, SourceFile
 from shoal.engine.inventory import (
     HostInventory,
     candidates_and_sources,
-    describe_sources,
     host_inventory,
     shared_inventory,
 )
@@ -47,7 +46,6 @@ from shoal.group.fabric import Fabric
 from shoal.group.readplan import SHARED, Choice, ChunkRead, ReadPlan, Source, choose_checkpoint, plan_reads
 from shoal.group.topology import Topology
 from shoal.tiers.base import Tier
-from shoal.tiers.dram import DramTier
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +96,8 @@ class RestoreContext:
     shared: Tier
     host_tiers: Mapping[str, Tier]
     """This host's host tiers by kind (``local``; ``dram`` when partner copies go to DRAM)."""
-    dram: DramTier | None
+    dram: Tier | None
+    """The staging tier (a :class:`~shoal.tiers.slabs.SlabStore`), whose slabs serve chunks."""
     run_id: str | None = None
     """This run's id: host-tier state recorded under another run is never used."""
 
@@ -564,7 +563,7 @@ def sources_in(report: LoadReport) -> str:
     return f"step {report.step} (metadata from {report.origin}): " + (", ".join(parts) or "nothing read")
 
 
-__all__ = ["LoadReport", "Restore", "RestoreContext", "RestoreFailed", "describe_sources", "sources_in"]
+__all__ = ["LoadReport", "Restore", "RestoreContext", "RestoreFailed", "sources_in"]
 
 
 def _steps_by_rank(asked: dict[int, int | None]) -> str:

@@ -43,11 +43,12 @@ from shoal.engine.hoststate import (
     same_run_candidates,
     write_run_file,
 )
+from shoal.engine.metacache import MetadataEncoder
 from shoal.engine.path import PathPolicy, RulePolicy
 from shoal.engine.pipeline import Pipeline
 from shoal.engine.protocol import Gate
 from shoal.engine.restore import Restore, RestoreContext
-from shoal.engine.staged import StagedIndex, staged_path
+from shoal.engine.staged import StagedIndex, delete_staged
 from shoal.engine.stager import Slot, SlotRing, StagedItem, StageEntry, stage_into
 from shoal.engine.store import list_checkpoints, read_pointer, resolve_manifest
 from shoal.errors import (
@@ -61,7 +62,6 @@ from shoal.errors import (
 )
 from shoal.format import layout
 from shoal.format.chunking import Hasher
-from shoal.format.dcp_codec import encode_metadata
 from shoal.format.manifest import Manifest
 from shoal.group.fabric import Board, Fabric
 from shoal.group.topology import topology_for_path
@@ -178,6 +178,8 @@ class Runtime:
             run_id=run,
         )
         self._lock = threading.Lock()
+        self._encoder = MetadataEncoder()
+        """The last save's encoded DCP metadata, given again while the layout stays the same."""
         self._staging: dict[int, SaveJob] = {}
         self._watched: list[SaveHandle] = []
         """Handles of recent saves, until they finish: the newest B4 supersedes leftovers."""
@@ -336,7 +338,7 @@ class Runtime:
         try:
             # The slot's staged index describes the checkpoint about to be overwritten: drop it
             # first, so that a crash mid-copy never leaves an index over half-new bytes.
-            self.dram.delete(staged_path(slot.name))
+            delete_staged(self.dram, slot.name)
             staged = stage_into(slot, self.dram, entries, rank=self.rank)
         except BaseException:
             self._ring.release(slot)
@@ -393,7 +395,7 @@ class Runtime:
         if job is None:
             return  # skipped
         try:
-            job.dcp = encode_metadata(metadata)
+            job.dcp = self._encoder.encode(metadata)
             if job.staged is not None:  # the checkpoint is restorable from DRAM alone from here on
                 job.staged.dcp = job.dcp
                 job.staged.write(self.dram)
@@ -575,7 +577,7 @@ class Runtime:
         # back. Leftovers of earlier processes stay unless a newer checkpoint committed.
         self._drop_superseded(consult_shared=True)
         for slot in self._ring.slots:  # the index first: never an index over a slab that is gone
-            self.dram.delete(staged_path(slot.name))
+            delete_staged(self.dram, slot.name)
         self._ring.close(release_memory=True)
         for tier in (self.shared, self.dram):
             tier.close()

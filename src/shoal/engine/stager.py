@@ -13,31 +13,17 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from shoal.engine.staged import SIDECAR_SUFFIXES, STAGED_DIR
 from shoal.errors import InvalidName, UnsupportedValue
 from shoal.format.names import check_item_key
+from shoal.tiers.slabs import SlabLike, SlabStore
 
 log = logging.getLogger(__name__)
 
 ALIGN = 64
 """Items start on 64-byte boundaries, enough for every dtype view and for cache lines."""
-
-
-class SlabLike(Protocol):
-    capacity: int
-
-    @property
-    def buffer(self) -> memoryview: ...
-
-    def ensure(self, nbytes: int) -> None: ...
-
-
-class SlabSource(Protocol):
-    def open_slab(self, name: str, nbytes: int, *, exclusive: bool = False) -> SlabLike: ...
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -177,7 +163,7 @@ def _copy_tensors(buffer: memoryview, tensors: list[tuple[int, int, torch.Tensor
     flush()
 
 
-def stage_into(slot: Slot, dram: SlabSource, entries: Sequence[StageEntry], *, rank: int) -> list[StagedItem]:
+def stage_into(slot: Slot, dram: SlabStore, entries: Sequence[StageEntry], *, rank: int) -> list[StagedItem]:
     """Copy ``entries`` into ``slot``'s slab (growing it if the state grew); return what was staged."""
     seen: set[str] = set()
     for e in entries:
@@ -216,7 +202,7 @@ def stage_into(slot: Slot, dram: SlabSource, entries: Sequence[StageEntry], *, r
 class SlotRing:
     """The ring of DRAM slots of one rank. Thread-safe: the pipeline releases, the trainer acquires."""
 
-    def __init__(self, dram: SlabSource, count: int, *, prefix: str) -> None:
+    def __init__(self, dram: SlabStore, count: int, *, prefix: str) -> None:
         self._dram = dram
         self._slots = [Slot(i, f"{prefix}slot-{i}") for i in range(count)]
         self._cond = threading.Condition()
@@ -288,31 +274,20 @@ class SlotRing:
         with self._cond:
             return any(not s.in_flight and (s.slab is None or s.slab.capacity < nbytes) for s in self._slots)
 
-    def _delete_sidecars(self, slot_name: str) -> None:
-        """Delete the sidecars of ``slot_name``'s staged index (its DCP metadata and digests), if any."""
-        delete = getattr(self._dram, "delete", None)
-        if delete is not None:
-            for suffix in SIDECAR_SUFFIXES:
-                delete(f"{STAGED_DIR}/{slot_name}{suffix}")
-
     def close(self, *, release_memory: bool = False) -> None:
         """Unmap every slab (the ring must not be used afterwards).
 
         With ``release_memory`` the slab files of every slot are deleted too (those an
-        earlier process of this rank left, as well), with the sidecars of their staged
-        indexes (:mod:`shoal.engine.staged`; the index itself is deleted first, by the
-        caller), returning their memory to ``/dev/shm``; call it only when nothing staged
-        is still needed (every checkpoint finished). Without it the slabs stay for a
-        restarted process.
+        earlier process of this rank left, as well), returning their memory to ``/dev/shm``;
+        call it only when nothing staged is still needed (every checkpoint finished), and
+        after deleting the slots' staged indexes (:func:`shoal.engine.staged.delete_staged`:
+        never an index over a slab that is gone). Without it the slabs stay for a restarted
+        process.
         """
-        delete = getattr(self._dram, "delete_slab", None)
         with self._cond:
             for slot in self._slots:
-                close = getattr(slot.slab, "close", None)
-                if close is not None:
-                    close()
+                if slot.slab is not None:
+                    slot.slab.close()
                 if release_memory:
-                    self._delete_sidecars(slot.name)
-                if release_memory and delete is not None:
-                    delete(slot.name)  # also a slab an earlier process of this rank left behind
+                    self._dram.delete_slab(slot.name)  # also one an earlier process of this rank left
                 slot.slab = None

@@ -21,11 +21,13 @@ from shoal import failpoints
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.config import Config
+from shoal.engine.inventory import read_staged
 from shoal.engine.store import list_checkpoints
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.pack import decode_index
 from shoal.testing.checkpoints import assert_state_equal, zeros_like_state
+from shoal.tiers.dram import DramTier
 
 
 def group_config(root: str, **overrides: Any) -> Config:
@@ -87,16 +89,18 @@ def host_chunks(root: str, job: str = "test") -> dict[str, set[str]]:
         for host, hdir in _run_dirs(base):
             held = out.setdefault(host, set())
             staged = os.path.join(hdir, "staged")
-            for name in sorted(os.listdir(staged)) if os.path.isdir(staged) else []:
-                with open(os.path.join(staged, name)) as f:
-                    doc = json.load(f)
-                with open(os.path.join(hdir, "slabs", doc["slab"] + ".slab"), "rb") as f:
+            records = (
+                read_staged(DramTier(hdir, base=os.path.join(root, tier_name)))
+                if os.path.isdir(staged)
+                else []
+            )
+            for rec in records:
+                with open(os.path.join(hdir, "slabs", rec.slab + ".slab"), "rb") as f:
                     slab = f.read()
-                size = doc["chunk_size"]
-                for item in doc["items"]:
-                    for i, d in enumerate(item["chunks"]):
-                        start = item["offset"] + i * size
-                        end = item["offset"] + min(item["nbytes"], (i + 1) * size)
+                for item in rec.items:
+                    for i, d in enumerate(item.chunks or ()):
+                        start = item.offset + i * rec.chunk_size
+                        end = item.offset + min(item.nbytes, (i + 1) * rec.chunk_size)
                         if digest(slab[start:end]) == d:
                             held.add(d)
             packs = os.path.join(hdir, layout.PACKS_DIR)

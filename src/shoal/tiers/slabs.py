@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from shoal.errors import ConfigError
+
 
 @runtime_checkable
 class SlabLike(Protocol):
@@ -75,4 +77,15 @@ class SlabStore(Protocol):
         ...
 
 
-__all__ = ["SlabLike", "SlabStore"]
+def require_slabs(tier: object, action: str) -> SlabStore:
+    """``tier`` as a :class:`SlabStore`, or :class:`~shoal.errors.ConfigError` saying it keeps no slabs."""
+    if not isinstance(tier, SlabStore):
+        kind, url = getattr(tier, "kind", type(tier).__name__), getattr(tier, "url", repr(tier))
+        raise ConfigError(
+            f"cannot {action} on the {kind} tier at {url}: it keeps no slabs (it is not a SlabStore; "
+            "staging needs a tier that is, such as the dram tier)"
+        )
+    return tier
+
+
+__all__ = ["SlabLike", "SlabStore", "require_slabs"]
