@@ -13,8 +13,8 @@ import torch
 from torch.distributed.checkpoint import logger as dcp_logging
 
 import shoal
-import shoal.checkpointer
-from shoal.checkpointer import _quiet_dcp_logger
+import shoal.driver
+from shoal.driver import quiet_dcp_logger
 from shoal.testing.checkpoints import make_config
 
 
@@ -32,10 +32,10 @@ def test_a_logger_nobody_reads_is_raised_for_the_block_and_restored(dcp_logger: 
     dcp_logger.handlers[:] = [logging.NullHandler()]
     dcp_logger.propagate = False
     dcp_logger.setLevel(logging.DEBUG)
-    with _quiet_dcp_logger():
+    with quiet_dcp_logger():
         assert not dcp_logger.isEnabledFor(logging.DEBUG)
         assert dcp_logger.isEnabledFor(logging.ERROR)  # the wrapper's exception records still pass
-        with _quiet_dcp_logger():
+        with quiet_dcp_logger():
             assert dcp_logger.level == logging.INFO
         assert dcp_logger.level == logging.INFO  # the inner block does not restore it early
     assert dcp_logger.level == logging.DEBUG
@@ -45,11 +45,11 @@ def test_a_logger_someone_reads_is_left_alone(dcp_logger: logging.Logger) -> Non
     dcp_logger.setLevel(logging.DEBUG)
     dcp_logger.propagate = False
     dcp_logger.handlers[:] = [logging.NullHandler(), logging.StreamHandler()]
-    with _quiet_dcp_logger():
+    with quiet_dcp_logger():
         assert dcp_logger.level == logging.DEBUG
     dcp_logger.handlers[:] = [logging.NullHandler()]
     dcp_logger.propagate = True
-    with _quiet_dcp_logger():
+    with quiet_dcp_logger():
         assert dcp_logger.level == logging.DEBUG
 
 
@@ -57,20 +57,20 @@ def test_the_level_is_restored_after_an_error_and_across_threads(dcp_logger: log
     dcp_logger.handlers[:] = [logging.NullHandler()]
     dcp_logger.propagate = False
     dcp_logger.setLevel(logging.DEBUG)
-    with pytest.raises(ZeroDivisionError), _quiet_dcp_logger():
+    with pytest.raises(ZeroDivisionError), quiet_dcp_logger():
         _ = 1 / 0
     assert dcp_logger.level == logging.DEBUG
     inside, leave = threading.Event(), threading.Event()
 
     def other() -> None:
-        with _quiet_dcp_logger():
+        with quiet_dcp_logger():
             inside.set()
             leave.wait(10)
 
     t = threading.Thread(target=other)
     t.start()
     inside.wait(10)
-    with _quiet_dcp_logger():
+    with quiet_dcp_logger():
         pass
     assert dcp_logger.level == logging.INFO  # the other thread's block is still open
     leave.set()
@@ -102,13 +102,13 @@ def test_save_goes_around_dcp_save_only_while_its_logger_reaches_no_one(
     dcp_logger.handlers[:] = [logging.NullHandler(), *([logging.StreamHandler()] if configured else [])]
     dcp_logger.propagate = False
     calls: list[int] = []
-    real_save = shoal.checkpointer.torch_dcp.save
+    real_save = shoal.driver.torch_dcp.save
 
     def counted(*a: Any, **k: Any) -> Any:
         calls.append(1)
         return real_save(*a, **k)
 
-    monkeypatch.setattr(shoal.checkpointer.torch_dcp, "save", counted)
+    monkeypatch.setattr(shoal.driver.torch_dcp, "save", counted)
     model = torch.nn.Linear(3, 2)
     state = {"w": torch.randn(5, 4), "model": model, "counter": _Counter(7), "extra": {"lr": 0.1}}
     with shoal.Checkpointer(make_config(tmp_path, dram_root)) as ckpt:
