@@ -378,9 +378,9 @@ class GroupSave:
         ctx = self.ctx
         failpoints.hit("pipeline.before_drain", rank=ctx.rank)
         mine = plan.drain_for(ctx.rank)
-        if mine is None or not mine.chunks:
+        if mine is None or not len(mine.runs):
             return None
-        chunks = list(mine.chunks)
+        chunks = list(mine.runs)
         pack_id = layout.new_pack_id(self.step, ctx.host, ctx.rank)
         starts = [self.items[c.key].offset + c.index * ctx.chunk_size for c in chunks]
         t0 = time.perf_counter()
@@ -401,7 +401,7 @@ class GroupSave:
             path=layout.pack_path(pack_id),
             bytes=index.size,
             seconds=time.perf_counter() - t0,
-            writers=sum(1 for d in plan.drains if d.chunks),
+            writers=sum(1 for d in plan.drains if len(d.runs)),
         )
         return index
 

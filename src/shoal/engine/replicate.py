@@ -41,10 +41,10 @@ def exchange(
     Errors are ``(phase, exception)``: a failed receive still drains what is coming, so that
     the senders finish, and the sends are always waited for.
     """
-    sends = [(t.dst_rank, [view_of(c) for c in t.chunks]) for t in plan.sends_from(ctx.rank)]
-    incoming = plan.receives_at(ctx.rank)
-    receives = [(t.src_rank, [c.length for c in t.chunks]) for t in incoming]
-    expected = [c for t in incoming for c in t.chunks]
+    sends = [(t.dst_rank, [view_of(c) for c in t.runs]) for t in plan.sends_from(ctx.rank)]
+    incoming = [(t.src_rank, list(t.runs)) for t in plan.receives_at(ctx.rank)]
+    receives = [(src, [c.length for c in chunks]) for src, chunks in incoming]
+    expected = [c for _, chunks in incoming for c in chunks]
     errors: list[tuple[str, Exception]] = []
     index: PackIndex | None = None
     t0 = time.perf_counter()
