@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,13 @@ from shoal.engine.retention import RetentionPlan, apply_retention, pack_ids_on, 
 from shoal.errors import MissingFile, TierError
 from shoal.format import layout
 from shoal.format.chunking import digest
-from shoal.format.manifest import Manifest, PackRecord, Pointer
+from shoal.format.manifest import Manifest, Pointer
 from shoal.format.names import check_relpath
 from shoal.tiers import open_tier
 from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities, iter_byte_views
 from shoal.tiers.shared import FsspecTier
+
+from .retention_helpers import bare_manifest, pack_id
 
 
 class DictTier(Tier):
@@ -70,30 +71,13 @@ class DictTier(Tier):
         self.files.pop(path, None)
 
 
-def _pid(step: int, n: int = 0) -> str:
-    return f"{step:012d}-host-r0-{n:08x}"
-
-
-def _manifest(step: int, packs: list[str], writer: str | None = None) -> Manifest:
-    return Manifest(
-        job="job",
-        step=step,
-        created=time.time(),
-        chunk_size=4 << 20,
-        items={},
-        locations={},
-        packs={p: PackRecord(10, digest(p.encode())) for p in packs},
-        writer=writer,
-    )
-
-
 def _plan(**overrides: Any) -> RetentionPlan:
     args: dict[str, Any] = {
         "committed": [1, 2, 3, 4, 5],
-        "manifests": {s: _manifest(s, [_pid(s)]) for s in range(1, 6)},
+        "manifests": {s: bare_manifest(s, [pack_id(s)]) for s in range(1, 6)},
         "latest": 5,
         "keep_last": 2,
-        "pack_ids": [_pid(s) for s in range(1, 6)],
+        "pack_ids": [pack_id(s) for s in range(1, 6)],
         "horizon": 5,
     }
     return plan_retention(**(args | overrides))
@@ -106,7 +90,7 @@ def test_keeps_the_newest_committed_and_deletes_the_rest() -> None:
     plan = _plan()
     assert plan.keep_steps == (4, 5)
     assert plan.delete_steps == (1, 2, 3)
-    assert plan.delete_packs == (_pid(1), _pid(2), _pid(3))
+    assert plan.delete_packs == (pack_id(1), pack_id(2), pack_id(3))
     assert plan.reason == ""
 
 
@@ -114,7 +98,7 @@ def test_latest_is_kept_even_when_older_than_keep_last() -> None:
     plan = _plan(latest=2)
     assert plan.keep_steps == (2, 4, 5)
     assert plan.delete_steps == (1, 3)
-    assert _pid(2) not in plan.delete_packs
+    assert pack_id(2) not in plan.delete_packs
 
 
 def test_keep_last_none_keeps_everything_committed() -> None:
@@ -146,35 +130,35 @@ def test_negative_keep_last_is_refused() -> None:
 
 def test_a_pack_shared_with_a_kept_manifest_survives() -> None:
     # Step 5 dedups against the chunks in step 1's pack: that pack must stay.
-    manifests = {s: _manifest(s, [_pid(s)]) for s in range(1, 6)}
-    manifests[5] = _manifest(5, [_pid(5), _pid(1)])
+    manifests = {s: bare_manifest(s, [pack_id(s)]) for s in range(1, 6)}
+    manifests[5] = bare_manifest(5, [pack_id(5), pack_id(1)])
     plan = _plan(manifests=manifests)
     assert plan.delete_steps == (1, 2, 3)
-    assert plan.delete_packs == (_pid(2), _pid(3))
+    assert plan.delete_packs == (pack_id(2), pack_id(3))
 
 
 def test_packs_newer_than_the_horizon_are_never_touched() -> None:
     # Step 7 is in flight: its pack exists but no manifest refers to it yet.
-    plan = _plan(pack_ids=[_pid(s) for s in range(1, 6)] + [_pid(7), _pid(6, 1)], horizon=5)
-    assert _pid(7) not in plan.delete_packs and _pid(6, 1) not in plan.delete_packs
-    plan = _plan(pack_ids=[_pid(s) for s in range(1, 6)] + [_pid(7)], horizon=7)
-    assert _pid(7) in plan.delete_packs
+    plan = _plan(pack_ids=[pack_id(s) for s in range(1, 6)] + [pack_id(7), pack_id(6, 1)], horizon=5)
+    assert pack_id(7) not in plan.delete_packs and pack_id(6, 1) not in plan.delete_packs
+    plan = _plan(pack_ids=[pack_id(s) for s in range(1, 6)] + [pack_id(7)], horizon=7)
+    assert pack_id(7) in plan.delete_packs
 
 
 def test_steps_newer_than_the_horizon_are_never_deleted() -> None:
-    manifests = {s: _manifest(s, [_pid(s)]) for s in range(1, 9)}
+    manifests = {s: bare_manifest(s, [pack_id(s)]) for s in range(1, 9)}
     plan = _plan(committed=[1, 2, 3, 4, 5], manifests=manifests, horizon=5, keep_last=1)
     assert plan.delete_steps == (1, 2, 3, 4)
     assert not set(plan.delete_steps) & {6, 7, 8}
 
 
 def test_packs_with_foreign_names_are_left_alone() -> None:
-    plan = _plan(pack_ids=[_pid(s) for s in range(1, 6)] + ["not-a-shoal-pack", "42-x"])
+    plan = _plan(pack_ids=[pack_id(s) for s in range(1, 6)] + ["not-a-shoal-pack", "42-x"])
     assert "not-a-shoal-pack" not in plan.delete_packs and "42-x" not in plan.delete_packs
 
 
 def test_unreadable_kept_manifest_means_no_pack_is_deleted() -> None:
-    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)]) for s in range(1, 6)}
+    manifests: dict[int, Manifest | None] = {s: bare_manifest(s, [pack_id(s)]) for s in range(1, 6)}
     manifests[4] = None
     plan = _plan(manifests=manifests)
     assert plan.delete_steps == (1, 2, 3)
@@ -184,47 +168,47 @@ def test_unreadable_kept_manifest_means_no_pack_is_deleted() -> None:
 
 def test_a_damaged_step_older_than_every_kept_step_is_removed_and_gc_goes_on() -> None:
     # Step 3 has no usable manifest (a commit record without it, or garbage): it used to stop all pack GC.
-    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)]) for s in range(1, 6)}
+    manifests: dict[int, Manifest | None] = {s: bare_manifest(s, [pack_id(s)]) for s in range(1, 6)}
     manifests[3] = None
     plan = _plan(committed=[1, 2, 4, 5], manifests=manifests, problems={3: "manifest.json does not exist"})
     assert plan.keep_steps == (4, 5)
     assert plan.delete_steps == (1, 2, 3)
-    assert plan.delete_packs == (_pid(1), _pid(2), _pid(3))
+    assert plan.delete_packs == (pack_id(1), pack_id(2), pack_id(3))
     assert [(d.step, d.removed) for d in plan.damaged] == [(3, True)]
     assert "manifest.json does not exist" in plan.damaged[0].describe() and plan.reason == ""
 
 
 def test_a_damaged_step_inside_the_window_protects_only_packs_up_to_its_step() -> None:
-    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)]) for s in range(1, 7)}
+    manifests: dict[int, Manifest | None] = {s: bare_manifest(s, [pack_id(s)]) for s in range(1, 7)}
     manifests[5] = None  # between the kept steps 4 and 6
-    orphans = [_pid(2, 1), _pid(5, 1), _pid(6, 1)]  # packs of aborted saves
+    orphans = [pack_id(2, 1), pack_id(5, 1), pack_id(6, 1)]  # packs of aborted saves
     plan = _plan(
         committed=[1, 2, 3, 4, 6],
         manifests=manifests,
         latest=6,
-        pack_ids=[_pid(s) for s in range(1, 7)] + orphans,
+        pack_ids=[pack_id(s) for s in range(1, 7)] + orphans,
         horizon=6,
     )
     assert plan.keep_steps == (4, 6)
     assert plan.delete_steps == (1, 2, 3)  # the damaged step stays
     # Step 5 could reference any pack written for steps <= 5: those stay; the newer orphan goes.
-    assert plan.delete_packs == (_pid(6, 1),)
+    assert plan.delete_packs == (pack_id(6, 1),)
     assert [(d.step, d.removed) for d in plan.damaged] == [(5, False)]
     assert "step 5" in plan.reason and "steps <= 5" in plan.reason
 
 
 @pytest.mark.parametrize("damaged_step", [7, 9])
 def test_a_damaged_step_newer_than_the_newest_kept_is_kept_possibly_being_written(damaged_step: int) -> None:
-    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)]) for s in range(1, 6)}
+    manifests: dict[int, Manifest | None] = {s: bare_manifest(s, [pack_id(s)]) for s in range(1, 6)}
     manifests[damaged_step] = None
-    plan = _plan(manifests=manifests, pack_ids=[_pid(s) for s in range(1, 6)] + [_pid(6, 1)], horizon=8)
+    plan = _plan(manifests=manifests, pack_ids=[pack_id(s) for s in range(1, 6)] + [pack_id(6, 1)], horizon=8)
     assert damaged_step not in plan.delete_steps and plan.delete_steps == (1, 2, 3)
     assert [(d.step, d.removed) for d in plan.damaged] == [(damaged_step, False)]
     assert plan.delete_packs == ()  # every pack was written for a step <= the damaged one
 
 
 def test_a_damaged_step_older_than_the_window_but_newer_than_the_horizon_stays() -> None:
-    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)]) for s in range(1, 6)}
+    manifests: dict[int, Manifest | None] = {s: bare_manifest(s, [pack_id(s)]) for s in range(1, 6)}
     manifests[3] = None
     plan = _plan(committed=[1, 2, 4, 5], manifests=manifests, horizon=2)
     assert 3 not in plan.delete_steps and [(d.step, d.removed) for d in plan.damaged] == [(3, False)]
@@ -232,21 +216,21 @@ def test_a_damaged_step_older_than_the_window_but_newer_than_the_horizon_stays()
 
 def test_steps_of_another_writer_are_left_alone_and_do_not_count_toward_keep_last() -> None:
     # Writer "b" holds the job; "a" committed 5 and 6 into it (the same Config.job used twice).
-    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)], "b") for s in range(1, 5)}
-    manifests |= {s: _manifest(s, [_pid(s)], "a") for s in (5, 6)}
-    manifests[1] = _manifest(1, [_pid(1)], None)  # older format: counts as b's
+    manifests: dict[int, Manifest | None] = {s: bare_manifest(s, [pack_id(s)], "b") for s in range(1, 5)}
+    manifests |= {s: bare_manifest(s, [pack_id(s)], "a") for s in (5, 6)}
+    manifests[1] = bare_manifest(1, [pack_id(1)], None)  # older format: counts as b's
     plan = _plan(
         committed=range(1, 7),
         manifests=manifests,
         latest=4,
-        pack_ids=[_pid(s) for s in range(1, 7)] + [_pid(6, 1)],
+        pack_ids=[pack_id(s) for s in range(1, 7)] + [pack_id(6, 1)],
         horizon=6,
         writer="b",
     )
     assert plan.keep_steps == (3, 4)  # b's two newest; a's 5 and 6 do not push them out
     assert plan.foreign_steps == (5, 6)
     assert plan.delete_steps == (1, 2)
-    assert plan.delete_packs == (_pid(1), _pid(2), _pid(6, 1))
+    assert plan.delete_packs == (pack_id(1), pack_id(2), pack_id(6, 1))
     # Without a writer every step is judged alike (the old behaviour, `shoal gc --all-writers`).
     plan = _plan(committed=range(1, 7), manifests=manifests, latest=6, pack_ids=[], horizon=6)
     assert plan.keep_steps == (5, 6) and plan.foreign_steps == ()
@@ -254,19 +238,19 @@ def test_steps_of_another_writer_are_left_alone_and_do_not_count_toward_keep_las
 
 def test_an_uncommitted_step_of_another_writer_is_left_alone() -> None:
     # a's manifest without its commit record yet: it may be between manifest and COMMIT.
-    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)], "b") for s in range(1, 6)}
-    manifests[3] = _manifest(3, [_pid(3)], "a")
+    manifests: dict[int, Manifest | None] = {s: bare_manifest(s, [pack_id(s)], "b") for s in range(1, 6)}
+    manifests[3] = bare_manifest(3, [pack_id(3)], "a")
     plan = _plan(committed=[1, 2, 4, 5], manifests=manifests, writer="b")
     assert plan.delete_steps == (1, 2) and plan.foreign_steps == (3,)
-    assert _pid(3) not in plan.delete_packs
+    assert pack_id(3) not in plan.delete_packs
 
 
 def test_unreadable_committed_step_can_be_deleted_and_gc_goes_on() -> None:
-    manifests: dict[int, Manifest | None] = {s: _manifest(s, [_pid(s)]) for s in range(1, 6)}
+    manifests: dict[int, Manifest | None] = {s: bare_manifest(s, [pack_id(s)]) for s in range(1, 6)}
     manifests[1] = None
     plan = _plan(manifests=manifests)
     assert plan.delete_steps == (1, 2, 3)
-    assert plan.delete_packs == (_pid(1), _pid(2), _pid(3))
+    assert plan.delete_packs == (pack_id(1), pack_id(2), pack_id(3))
 
 
 def test_abandoned_uncommitted_step_below_the_horizon_is_deleted() -> None:
@@ -278,7 +262,7 @@ def test_abandoned_uncommitted_step_below_the_horizon_is_deleted() -> None:
 @st.composite
 def tier_states(draw: st.DrawFn) -> dict[str, Any]:
     steps = sorted(draw(st.sets(st.integers(0, 30), max_size=10)))
-    packs = {s: [_pid(s, n) for n in range(draw(st.integers(0, 2)))] for s in steps}
+    packs = {s: [pack_id(s, n) for n in range(draw(st.integers(0, 2)))] for s in steps}
     all_packs = [p for ps in packs.values() for p in ps]
     extra = draw(st.lists(st.integers(0, 40), max_size=4))
     manifests: dict[int, Manifest | None] = {}
@@ -288,13 +272,13 @@ def tier_states(draw: st.DrawFn) -> dict[str, Any]:
         else:
             reused = draw(st.lists(st.sampled_from(all_packs), max_size=3)) if all_packs else []
             writer = draw(st.sampled_from([None, "w", "w", "x"]))
-            manifests[s] = _manifest(s, sorted(set(packs[s] + reused)), writer)
+            manifests[s] = bare_manifest(s, sorted(set(packs[s] + reused)), writer)
     return {
         "committed": [s for s in steps if draw(st.booleans())],
         "manifests": manifests,
         "latest": draw(st.none() | st.sampled_from(steps)) if steps else None,
         "keep_last": draw(st.none() | st.integers(0, 4)),
-        "pack_ids": all_packs + [_pid(e, 99) for e in extra] + ["foreign"],
+        "pack_ids": all_packs + [pack_id(e, 99) for e in extra] + ["foreign"],
         "horizon": draw(st.integers(0, 40)),
         "writer": draw(st.sampled_from([None, "w"])),
     }
@@ -365,15 +349,15 @@ def _tier_with(steps: list[int], pack_bytes: int = 10) -> DictTier:
     for s in steps:
         tier.files[layout.manifest_path(s)] = b"{}"
         tier.files[layout.commit_path(s)] = b"{}"
-        tier.files[layout.pack_path(_pid(s))] = b"x" * pack_bytes
-        tier.files[layout.index_path(_pid(s))] = b"{}"
+        tier.files[layout.pack_path(pack_id(s))] = b"x" * pack_bytes
+        tier.files[layout.index_path(pack_id(s))] = b"{}"
     tier.files[layout.LATEST] = b"{}"
     return tier
 
 
 def test_apply_deletes_commit_then_manifest_then_packs() -> None:
     tier = _tier_with([1, 2, 3], pack_bytes=7)
-    plan = RetentionPlan(keep_steps=(3,), delete_steps=(1, 2), delete_packs=(_pid(1), _pid(2)))
+    plan = RetentionPlan(keep_steps=(3,), delete_steps=(1, 2), delete_packs=(pack_id(1), pack_id(2)))
     freed = apply_retention(tier, plan)
     assert freed == 14
     order = tier.deleted
@@ -387,17 +371,17 @@ def test_apply_deletes_commit_then_manifest_then_packs() -> None:
             layout.LATEST,
             layout.manifest_path(3),
             layout.commit_path(3),
-            layout.pack_path(_pid(3)),
-            layout.index_path(_pid(3)),
+            layout.pack_path(pack_id(3)),
+            layout.index_path(pack_id(3)),
         ]
     )
 
 
 def test_apply_tolerates_files_already_gone() -> None:
     tier = _tier_with([1])
-    del tier.files[layout.pack_path(_pid(1))]
+    del tier.files[layout.pack_path(pack_id(1))]
     del tier.files[layout.commit_path(1)]
-    plan = RetentionPlan(keep_steps=(), delete_steps=(1, 9), delete_packs=(_pid(1), _pid(8)))
+    plan = RetentionPlan(keep_steps=(), delete_steps=(1, 9), delete_packs=(pack_id(1), pack_id(8)))
     assert apply_retention(tier, plan) == 0
     assert tier.files == {layout.LATEST: b"{}"}
 
@@ -418,15 +402,15 @@ def test_apply_logs_why_packs_were_left_alone(caplog: pytest.LogCaptureFixture) 
 
 def test_pack_ids_on_lists_packs_and_orphan_indexes() -> None:
     tier = _tier_with([1, 2])
-    del tier.files[layout.pack_path(_pid(2))]
-    tier.files[layout.index_path(_pid(3))] = b"{}"
+    del tier.files[layout.pack_path(pack_id(2))]
+    tier.files[layout.index_path(pack_id(3))] = b"{}"
     tier.files["packs/README"] = b""
-    assert pack_ids_on(tier) == [_pid(1), _pid(2), _pid(3)]
+    assert pack_ids_on(tier) == [pack_id(1), pack_id(2), pack_id(3)]
 
 
 def test_plan_then_apply_end_to_end() -> None:
     tier = _tier_with([1, 2, 3, 4])
-    manifests = {s: _manifest(s, [_pid(s)] + ([_pid(1)] if s == 4 else [])) for s in range(1, 5)}
+    manifests = {s: bare_manifest(s, [pack_id(s)] + ([pack_id(1)] if s == 4 else [])) for s in range(1, 5)}
     plan = plan_retention(
         committed=[1, 2, 3, 4],
         manifests=manifests,
@@ -436,7 +420,7 @@ def test_plan_then_apply_end_to_end() -> None:
         horizon=4,
     )
     apply_retention(tier, plan)
-    assert pack_ids_on(tier) == [_pid(1), _pid(4)]
+    assert pack_ids_on(tier) == [pack_id(1), pack_id(4)]
     assert tier.list(layout.STEPS_DIR + "/") == [layout.commit_path(4), layout.manifest_path(4)]
 
 
@@ -449,10 +433,10 @@ def _shared(tmp_path: Path) -> Tier:
 
 def _commit_step(tier: Tier, step: int, *, writer: str | None = None, reuse: tuple[str, ...] = ()) -> str:
     """A committed step on ``tier`` with one pack of its own (10 bytes) and the reused ones; its pack id."""
-    pid = _pid(step)
+    pid = pack_id(step)
     tier.write(layout.pack_path(pid), b"x" * 10)
     tier.write(layout.index_path(pid), b"[]")
-    data = _manifest(step, [pid, *reuse], writer).encode()
+    data = bare_manifest(step, [pid, *reuse], writer).encode()
     tier.write(layout.manifest_path(step), data)
     pointer = Pointer(step, digest(data)).encode()
     tier.write(layout.commit_path(step), pointer)
@@ -470,7 +454,7 @@ def _damage(tier: Tier, how: str, step: int) -> None:
     elif how == "garbage manifest":
         tier.write(layout.manifest_path(step), b'{"format": "shoal/1.0", "job": ')
     elif how == "digest mismatch":  # a second writer rewrote the manifest of the same step
-        tier.write(layout.manifest_path(step), _manifest(step, [_pid(step)], "other").encode())
+        tier.write(layout.manifest_path(step), bare_manifest(step, [pack_id(step)], "other").encode())
     else:  # pragma: no cover
         raise AssertionError(how)
 
@@ -488,9 +472,9 @@ def test_run_retention_removes_an_old_damaged_step_and_its_packs_and_directory(
     _damage(tier, how, 2)
     with caplog.at_level(logging.WARNING, logger="shoal.engine.retention"):
         freed, dropped = run_retention(tier, 2, 5)
-    assert dropped == (_pid(1), _pid(2), _pid(3)) and freed == 30
+    assert dropped == (pack_id(1), pack_id(2), pack_id(3)) and freed == 30
     assert _step_dirs(tmp_path) == [f"{4:012d}", f"{5:012d}"]  # emptied step directories are gone too
-    assert pack_ids_on(tier) == [_pid(4), _pid(5)]
+    assert pack_ids_on(tier) == [pack_id(4), pack_id(5)]
     assert "step 2 is damaged" in caplog.text and "removed" in caplog.text
 
 
@@ -501,14 +485,14 @@ def test_run_retention_keeps_a_damaged_step_in_the_window_and_the_packs_up_to_it
     tier = _shared(tmp_path)
     for step in range(1, 7):
         _commit_step(tier, step)
-    tier.write(layout.pack_path(_pid(6, 1)), b"y" * 7)  # an aborted save's pack, newer than the damage
+    tier.write(layout.pack_path(pack_id(6, 1)), b"y" * 7)  # an aborted save's pack, newer than the damage
     _damage(tier, how, 5)
     with caplog.at_level(logging.WARNING, logger="shoal.engine.retention"):
         freed, dropped = run_retention(tier, 2, 6)
     # Kept: 4 and 6 (the damaged 5 does not count); 1..3 go, but their packs may be 5's.
-    assert dropped == (_pid(6, 1),) and freed == 7
+    assert dropped == (pack_id(6, 1),) and freed == 7
     assert _step_dirs(tmp_path) == [f"{s:012d}" for s in (4, 5, 6)]
-    assert pack_ids_on(tier) == [_pid(s) for s in range(1, 7)]
+    assert pack_ids_on(tier) == [pack_id(s) for s in range(1, 7)]
     assert "step 5 is damaged" in caplog.text and "protecting packs of steps <= 5" in caplog.text
 
 
@@ -517,9 +501,9 @@ def test_run_retention_for_a_writer_leaves_the_other_writers_steps(tmp_path: Pat
     for step in (1, 2):
         _commit_step(tier, step, writer="a" * 16)
     for step in (3, 4, 5):
-        _commit_step(tier, step, writer="b" * 16, reuse=(_pid(1),))
+        _commit_step(tier, step, writer="b" * 16, reuse=(pack_id(1),))
     _, dropped = run_retention(tier, 1, 5, writer="b" * 16)
-    assert dropped == (_pid(3), _pid(4))
+    assert dropped == (pack_id(3), pack_id(4))
     assert _step_dirs(tmp_path) == [f"{s:012d}" for s in (1, 2, 5)]
 
 
@@ -548,7 +532,7 @@ def test_gc_reports_each_damaged_step_and_what_it_did(
     assert "deleted damaged step 2" in out and "deleted step 1 (B4 RESTARTABLE)" in out
     assert "step 2 is damaged" in err  # the log line, on stderr
     assert _step_dirs(tmp_path) == [f"{s:012d}" for s in (4, 5, 6)]
-    assert pack_ids_on(tier) == [_pid(s) for s in range(1, 7)]  # all written no later than step 5
+    assert pack_ids_on(tier) == [pack_id(s) for s in range(1, 7)]  # all written no later than step 5
 
 
 def test_gc_judges_the_steps_of_the_writer_holding_the_job(
@@ -590,11 +574,11 @@ def test_gc_that_cannot_run_exits_2_without_a_traceback(
 def test_retention_on_a_host_tier_removes_emptied_step_directories(tmp_path: Path) -> None:
     tier = open_tier("local", str(tmp_path / "local" / "job" / "h0"))
     for step in range(1, 5):
-        pid = _pid(step)
+        pid = pack_id(step)
         tier.write(layout.pack_path(pid), b"x" * 10)
         tier.write(layout.index_path(pid), b"[]")
-        tier.write(layout.manifest_path(step), _manifest(step, [pid]).encode())  # no commit records here
+        tier.write(layout.manifest_path(step), bare_manifest(step, [pid]).encode())  # no commit records here
     _, dropped = run_retention(tier, 2, 4, manifests_are_commits=True)
-    assert dropped == (_pid(1), _pid(2))
+    assert dropped == (pack_id(1), pack_id(2))
     steps = tmp_path / "local" / "job" / "h0" / layout.STEPS_DIR
     assert sorted(p.name for p in steps.iterdir()) == [f"{3:012d}", f"{4:012d}"]

@@ -200,7 +200,8 @@ def frozen_second_checkpoint(rank: int, world: int, *, root: str) -> dict[str, A
         ckpt.wait()
         out["handles"] = [_handle_summary(h1), _handle_summary(h2)]
         events = ckpt.config.event_log
-    with open(events) as f:  # type: ignore[arg-type]
+    assert events is not None  # resolved: the local tier's events.jsonl by default
+    with open(events) as f:
         rows = [json.loads(line) for line in f]
     out["events"] = [r for r in rows if r.get("rank") == rank]
     return out
@@ -270,7 +271,8 @@ def bench_group_save(rank: int, world: int, *, root: str, mib_per_rank: int, rep
             if step:
                 times.append({int(b): s for b, s in h.times.items()})
         events = ckpt.config.event_log
-    with open(events) as f:  # type: ignore[arg-type]
+    assert events is not None  # resolved: the local tier's events.jsonl by default
+    with open(events) as f:
         for line in f:
             e = json.loads(line)
             if e.get("event") == "coordination" and e.get("rank") == rank and e.get("step", 0) > 0:
@@ -324,7 +326,8 @@ def held_replicas_are_reused(rank: int, world: int, *, root: str) -> dict[str, A
         events = ckpt.config.event_log
         host = ckpt.host
         local_run = ckpt.local.url
-    with open(events) as f:  # type: ignore[arg-type]
+    assert events is not None  # resolved: the local tier's events.jsonl by default
+    with open(events) as f:
         rows = [json.loads(line) for line in f]
     out["sent"] = {
         step: sum(r.get("sent_bytes", 0) for r in rows if r["event"] == "replicate" and r["step"] == step)
