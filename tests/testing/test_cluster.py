@@ -1,0 +1,120 @@
+"""The emulated cluster (shoal.testing.cluster): namespaces, shaped links, a real S3, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shoal.testing.cluster import PREFIX, Cluster, ClusterSpec, cannot_run, remove_leftovers
+
+WHY = cannot_run()
+pytestmark = [
+    pytest.mark.skipif(WHY is not None, reason=WHY or ""),
+    pytest.mark.timeout(120),
+]
+
+MIB = 1 << 20
+
+
+def _ours(run_id: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    mine = f"{PREFIX}{run_id}-"
+    return [line.split()[0] for line in out.splitlines() if line.startswith(mine)]
+
+
+MAKE_BUCKET = """
+import os, sys
+from shoal.testing.s3 import S3Admin
+S3Admin(os.environ["SHOAL_S3_ENDPOINT"]).create_bucket(sys.argv[1])
+"""
+
+PUT_GET = """
+import os, sys, s3fs
+from shoal.testing.s3 import s3_storage_options
+fs = s3fs.S3FileSystem(**s3_storage_options(os.environ["SHOAL_S3_ENDPOINT"]))
+host = os.environ["SHOAL_HOST_ID"]
+bucket = sys.argv[1]
+data = os.urandom(int(sys.argv[2]))
+fs.pipe(f"{bucket}/{host}", data)
+assert fs.cat(f"{bucket}/{host}") == data
+print(host, len(data))
+"""
+
+
+def test_hosts_reach_s3_over_their_own_storage_nic_and_nothing_is_left() -> None:
+    spec = ClusterSpec(hosts=2, host_storage_mbit=400, fabric_mbit=400, storage_mbit=800)
+    with Cluster(spec) as cluster:
+        run_id = cluster.run_id
+        assert len(_ours(run_id)) == 2 + 2  # switch, storage, two hosts
+        for i in range(2):  # each host's links carry a token bucket of the spec's rate
+            for dev, rate in (("st0", "400Mbit"), ("fb0", "400Mbit")):
+                shown = subprocess.run(
+                    ["tc", "-n", cluster.host_ns(i), "qdisc", "show", "dev", dev],
+                    capture_output=True, text=True, check=True,
+                ).stdout  # fmt: skip
+                assert "tbf" in shown and f"rate {rate}" in shown, shown
+        made = cluster.run_on(0, [sys.executable, "-c", MAKE_BUCKET, "cluster-test"])
+        assert made.returncode == 0, made.stderr
+        before = [cluster.counters(i) for i in range(2)]
+        sizes = [3 * MIB, 1 * MIB]
+        for i, n in enumerate(sizes):
+            done = cluster.run_on(i, [sys.executable, "-c", PUT_GET, "cluster-test", str(n)])
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.split() == [f"h{i}", str(n)]
+        after = [cluster.counters(i) for i in range(2)]
+        for i, n in enumerate(sizes):
+            sent = after[i].storage_tx - before[i].storage_tx
+            got = after[i].storage_rx - before[i].storage_rx
+            # Each host's object went out and came back through its own storage NIC (plus HTTP and
+            # TCP overhead), and nothing of it crossed the fabric.
+            assert n <= sent < n * 1.2 + 256 * 1024, (i, sent)
+            assert n <= got < n * 1.2 + 256 * 1024, (i, got)
+            assert after[i].fabric_tx - before[i].fabric_tx < 64 * 1024
+    assert _ours(run_id) == []
+
+
+def test_hosts_talk_over_the_fabric() -> None:
+    with Cluster(ClusterSpec(hosts=2)) as cluster:
+        server = cluster.popen_in(
+            cluster.host_ns(1),
+            [sys.executable, "-c", "import socket; s = socket.create_server(('" + cluster.fabric_addr(1)
+             + "', 29500)); c, _ = s.accept(); c.sendall(c.recv(5)[::-1]); c.close()"],
+        )  # fmt: skip
+        client = (
+            "import socket, sys, time\n"
+            "for _ in range(100):\n"
+            "    try:\n"
+            f"        c = socket.create_connection(({cluster.fabric_addr(1)!r}, 29500), timeout=2); break\n"
+            "    except OSError: time.sleep(0.05)\n"
+            "c.sendall(b'hello'); print(c.recv(5).decode())\n"
+        )
+        done = cluster.run_on(0, [sys.executable, "-c", client], timeout=30)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "olleh"
+        assert server.wait(timeout=10) == 0
+
+
+def test_a_dead_runs_namespaces_are_removed_at_the_next_start() -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = f"{PREFIX}{dead.pid}-h0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        assert stale in remove_leftovers(keep_pid=os.getpid())
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True, check=False)
+    assert _ours(str(dead.pid)) == []
+
+
+def test_the_command_line_runs_a_command_on_every_host() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "shoal.testing.cluster", "--hosts", "2", "--", sys.executable, "-c",
+         "import os; print('on', os.environ['SHOAL_HOST_ID'])"],
+        capture_output=True, text=True, timeout=90, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "on h0" in done.stdout and "on h1" in done.stdout
+    assert "h1: LinkCounters(" in done.stdout
