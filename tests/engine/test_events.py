@@ -1,10 +1,28 @@
-"""The event log: private, never follows a symlink, rotates at its size cap."""
+"""The event log: private, never follows a symlink, rotates at its size cap; versioned records, one reader."""
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 
-from shoal.engine.events import EventLog, read_events
+import pytest
+import torch
+
+import shoal
+from shoal import failpoints
+from shoal.engine.events import (
+    FORMAT_VERSION,
+    CheckpointRecord,
+    Event,
+    EventLog,
+    WriterRecord,
+    read_events,
+)
+from shoal.errors import ShoalError
+from shoal.testing import scenarios
+from shoal.testing.checkpoints import make_config, pack_bytes_on
+from shoal.testing.multiproc import run_ranks
 
 
 def test_the_event_log_rotates_at_its_cap_and_keeps_the_newest_events(tmp_path):
@@ -13,9 +31,10 @@ def test_the_event_log_rotates_at_its_cap_and_keeps_the_newest_events(tmp_path):
     for i in range(200):
         log.emit("tick", i, pad="x" * 50)
     assert os.path.getsize(path) <= 4096 and os.path.getsize(path + ".1") <= 4096
-    newest = [e["step"] for e in read_events(path)]
-    older = [e["step"] for e in read_events(path + ".1")]
+    newest = [e.step for e in read_events(path, rotated=False)]
+    older = [e.step for e in read_events(path + ".1", rotated=False)]
     assert newest[-1] == 199 and older[-1] + 1 == newest[0]  # nothing lost at the seam
+    assert [e.step for e in read_events(path)] == older + newest  # the rotated file first
     assert os.stat(path).st_mode & 0o777 == 0o600
 
 
@@ -26,3 +45,171 @@ def test_a_symlink_in_place_of_the_event_log_is_never_written_through(tmp_path):
     path.symlink_to(victim)
     EventLog(str(path)).emit("tick", 1)  # logs a warning, never raises into training
     assert victim.read_text() == "precious"
+
+
+def test_every_line_carries_the_version_wall_and_monotonic_time(tmp_path):
+    path = str(tmp_path / "events.jsonl")
+    log = EventLog(path, host="h3", rank=5)
+    log.emit("tick", 1, n=1)
+    log.emit("tick", 2, n=2)
+    with open(path) as f:
+        lines = [json.loads(line) for line in f]
+    assert [line["v"] for line in lines] == [FORMAT_VERSION, FORMAT_VERSION]
+    assert lines[0]["mono"] <= lines[1]["mono"] and lines[0]["t"] > 1e9
+    first, second = read_events(path)
+    assert type(first) is Event and (first.host, first.rank, first.step, first["n"]) == ("h3", 5, 1, 1)
+    assert first.version == FORMAT_VERSION and first.mono == lines[0]["mono"] and first.wall == lines[0]["t"]
+    assert first.where == f"{path}:1" and second.get("missing", "default") == "default"
+
+
+def _write_lines(path, *records):
+    with open(path, "w") as f:
+        for r in records:
+            f.write(r if isinstance(r, str) else json.dumps(r) + "\n")
+
+
+def _line(event="tick", step=1, **fields):
+    return {
+        "v": FORMAT_VERSION,
+        "t": 1.0,
+        "mono": 2.0,
+        "event": event,
+        "step": step,
+        "host": "h0",
+        "rank": 0,
+        **fields,
+    }
+
+
+def test_the_reader_refuses_a_newer_major_version_naming_file_and_line(tmp_path):
+    path = str(tmp_path / "events.jsonl")
+    _write_lines(path, _line(), _line(v=FORMAT_VERSION + 1))
+    with pytest.raises(ShoalError, match=rf"events\.jsonl:2: event record version {FORMAT_VERSION + 1}"):
+        read_events(path)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ([1, 2], "must be a JSON object"),
+        (_line(rank="0"), "'rank' of a 'tick' event record is '0'"),
+        (_line("write", tier="shared", what="pack"), "a 'write' event record has no 'path'"),
+        (_line(v=True), "version True"),
+    ],
+)
+def test_the_reader_refuses_a_record_it_cannot_read(tmp_path, bad, message):
+    path = str(tmp_path / "events.jsonl")
+    _write_lines(path, _line(), bad)
+    with pytest.raises(ShoalError, match=rf"events\.jsonl:2: .*{message}"):
+        read_events(path)
+
+
+def test_a_torn_last_line_is_skipped_and_a_torn_line_inside_the_log_is_refused(tmp_path):
+    path = str(tmp_path / "events.jsonl")
+    _write_lines(path, _line(step=1), _line(step=2), '{"v": 1, "t": 3.0, "mono": 4.0, "ev')
+    assert [e.step for e in read_events(path)] == [1, 2]
+    _write_lines(path, _line(step=1), '{"v": 1, "t": 3.0, "ev\n', _line(step=3))
+    with pytest.raises(ShoalError, match=r"events\.jsonl:2: not a JSON event record"):
+        read_events(path)
+
+
+def test_the_next_writer_closes_a_torn_line_and_the_reader_skips_it(tmp_path):
+    path = str(tmp_path / "events.jsonl")
+    log = EventLog(path)
+    log.emit("tick", 1)
+    with open(path, "a") as f:
+        f.write('{"v": 1, "t": 3.0, "mono": 4.0, "ev')  # the host went down mid-line
+    restarted = EventLog(path)
+    restarted.emit("tick", 2)
+    restarted.emit("tick", 3)
+    with open(path) as f:
+        lines = f.read().splitlines()
+    assert json.loads(lines[2])["event"] == "torn" and len(lines) == 5  # one marker, once
+    assert [(e.event, e.step) for e in read_events(path)] == [("tick", 1), ("tick", 2), ("tick", 3)]
+
+
+def test_kinds_selects_event_names_and_legacy_lines_read_as_generic_events(tmp_path):
+    path = str(tmp_path / "events.jsonl")
+    legacy = {"t": 1.0, "event": "write", "step": 1, "host": "h0", "rank": 0, "bytes": 3}
+    _write_lines(path, legacy, _line("tick"), _line("other"))
+    events = read_events(path, kinds=["write", "tick"])
+    assert [(e.event, e.version, e.mono) for e in events] == [
+        ("write", 0, None),
+        ("tick", FORMAT_VERSION, 2.0),
+    ]
+    assert type(events[0]) is Event  # an unversioned write has no start or end: not a writer record
+
+
+def test_a_save_writes_writer_records_for_every_byte_drained_and_one_checkpoint_record(tmp_path, dram_root):
+    config = make_config(tmp_path, dram_root)
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(1, {"w": torch.randn(100_000), "b": torch.arange(1000)}).wait(timeout=60)
+        ckpt.save(2, {"w": torch.randn(50_000)}).wait(timeout=60)
+        path = ckpt.config.event_log
+        packs_on_shared = pack_bytes_on(ckpt.shared)
+    assert path is not None
+    writes = [e for e in read_events(path, kinds=["write"]) if e.what == "pack"]
+    assert all(isinstance(w, WriterRecord) for w in writes) and len(writes) == 2  # one per pack
+    assert sum(w.bytes for w in writes) == packs_on_shared
+    for w in writes:
+        assert w.tier == "shared" and w.host == "h0" and w.path.endswith(".pack")
+        assert w.start <= w.end and w.seconds == pytest.approx(w.end - w.start)
+        assert (w.concurrency, w.host_concurrency, w.durability_path) == (1, 1, "direct")
+    done = read_events(path, kinds=["checkpoint"])
+    assert [c.step for c in done] == [1, 2] and all(isinstance(c, CheckpointRecord) for c in done)
+    first = done[0]
+    b = first.boundaries
+    assert list(b) == ["STAGED", "REPLICATED", "PERSISTED", "RESTARTABLE"]  # direct: B2 with B3
+    assert b["STAGED"] <= b["REPLICATED"] == b["PERSISTED"] <= b["RESTARTABLE"]
+    assert (first.reached, first.failed_at, first.error, first.durability_path) == (
+        "RESTARTABLE",
+        None,
+        None,
+        "direct",
+    )
+    assert first.bytes == 100_000 * 4 + 1000 * 8 and writes[0].end <= first.end
+
+
+def test_a_failed_checkpoint_still_writes_its_checkpoint_record(tmp_path, dram_root):
+    config = make_config(tmp_path, dram_root)
+    failpoints.configure("pipeline.before_drain=raise")
+    try:
+        with shoal.Checkpointer(config) as ckpt:
+            handle = ckpt.save(1, {"w": torch.randn(1000)})
+            with pytest.raises(shoal.CheckpointFailed):
+                handle.wait(timeout=60)
+            path = ckpt.config.event_log
+    finally:
+        failpoints.configure(None)
+    assert path is not None
+    [record] = read_events(path, kinds=["checkpoint"])
+    assert isinstance(record, CheckpointRecord) and record.reached == "STAGED"
+    assert record.failed_at == "PERSISTED" and record.error and record.durability_path == "direct"
+    assert list(record.boundaries) == ["STAGED"]
+    assert not [e for e in read_events(path, kinds=["write"]) if e.what == "pack"]  # nothing drained
+
+
+@pytest.mark.timeout(300)
+def test_four_ranks_on_two_hosts_write_replica_records_on_the_receivers(tmp_path):
+    hosts = ["h0", "h0", "h1", "h1"]
+    results = run_ranks(scenarios.frozen_second_checkpoint, hosts=hosts, kwargs={"root": str(tmp_path)})
+    assert [h["error"] for r in results for h in r["handles"]] == [None] * 8
+    logs = sorted(glob.glob(str(tmp_path / "local" / "**" / "events.jsonl"), recursive=True))
+    assert len(logs) == 2  # one per host, every rank of the host in it
+    events = [e for p in logs for e in read_events(p)]
+    replicas = [e for e in events if isinstance(e, WriterRecord) and e.what == "replica" and e.step == 1]
+    received = {e.rank: e["received_bytes"] for e in events if e.event == "replicate" and e.step == 1}
+    receivers = sorted(r for r, n in received.items() if n)
+    assert receivers and sorted(e.rank for e in replicas) == receivers  # one record per receiving rank
+    for e in replicas:
+        assert e.bytes >= received[e.rank] and e.tier == "local" and e.durability_path == "partner"
+        assert e.start <= e.end and e.concurrency == len(receivers) and e.host == hosts[e.rank]
+        assert e.host_concurrency == sum(1 for r in receivers if hosts[r] == e.host)
+        assert e["sources"] and all(hosts[s] != e.host for s in e["sources"])  # from the other host
+    drains = [e for e in events if isinstance(e, WriterRecord) and e.what == "pack" and e.step == 1]
+    assert drains and all(d.concurrency == len(drains) for d in drains)
+    checkpoints = [e for e in events if isinstance(e, CheckpointRecord)]
+    assert sorted((c.step, c.rank) for c in checkpoints) == [(s, r) for s in (1, 2) for r in range(4)]
+    for c in checkpoints:
+        assert c.durability_path == "partner" and c.reached == "RESTARTABLE"
+        assert list(c.boundaries) == ["STAGED", "REPLICATED", "PERSISTED", "RESTARTABLE"]

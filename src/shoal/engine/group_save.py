@@ -54,6 +54,7 @@ from shoal.boundary import Boundary
 from shoal.engine import replicate
 from shoal.engine.catalog import ChunkCatalog, pack_problems
 from shoal.engine.commit import CheckpointCommit
+from shoal.engine.events import monotonic
 from shoal.engine.fence import WriterFence, after_failed_commit
 from shoal.engine.packwriter import slab_runs, write_pack
 from shoal.engine.path import PARTNER, PathContext, PathDecision, PathRecord, decide_path
@@ -163,6 +164,7 @@ class GroupSave:
             h.fail(target, e)
         finally:
             self._record_path()
+            emit_checkpoint(ctx, self.job, None if self.decision is None else self.decision.path)
 
     def _record_path(self) -> None:
         """Coordinator: what this checkpoint showed, for the path policy's next decisions."""
@@ -383,7 +385,7 @@ class GroupSave:
         chunks = list(mine.runs)
         pack_id = layout.new_pack_id(self.step, ctx.host, ctx.rank)
         starts = [self.items[c.key].offset + c.index * ctx.chunk_size for c in chunks]
-        t0 = time.perf_counter()
+        start = monotonic()
         index = write_pack(
             ctx.shared,
             pack_id,
@@ -393,17 +395,31 @@ class GroupSave:
             failpoint="pipeline.after_pack",
             rank=ctx.rank,
         )
-        ctx.events.emit(
+        hosts = [ctx.topology.host_of(d.rank) for d in plan.drains if len(d.runs)]
+        path = layout.pack_path(pack_id)
+        self._emit_write("pack", path, index.size, start, len(hosts), hosts.count(ctx.host))
+        return index
+
+    def _emit_write(
+        self, what: str, path: str, nbytes: int, start: float, writers: int, on_host: int
+    ) -> None:
+        """One writer record: a pack or file this rank wrote to the shared tier (``docs/events.md``)."""
+        end = monotonic()
+        self.ctx.events.emit(
             "write",
             self.step,
             tier=self.ctx.shared.kind,
-            what="pack",
-            path=layout.pack_path(pack_id),
-            bytes=index.size,
-            seconds=time.perf_counter() - t0,
-            writers=sum(1 for d in plan.drains if len(d.runs)),
+            what=what,
+            path=path,
+            bytes=nbytes,
+            start=start,
+            end=end,
+            seconds=end - start,
+            writers=writers,
+            concurrency=writers,
+            host_concurrency=on_host,
+            durability_path=None if self.decision is None else self.decision.path,
         )
-        return index
 
     def _commit(self, reports: list[RankReport], results: list[Any]) -> dict[str, Any]:
         """Coordinator: the manifest from what was drained and what was kept, then the commit.
@@ -443,10 +459,8 @@ class GroupSave:
         return fence
 
     def _wrote(self, what: str, path: str, nbytes: int, seconds: float) -> None:
-        self.ctx.events.emit(
-            "write", self.step, tier=self.ctx.shared.kind, what=what, path=path, bytes=nbytes,
-            seconds=seconds, writers=1,
-        )  # fmt: skip
+        """The commit's writes (manifest, ``COMMIT``, ``LATEST``): one writer, just finished."""
+        self._emit_write(what, path, nbytes, monotonic() - seconds, 1, 1)
 
     def _own_dcp(self) -> Mapping[str, Any] | None:
         """The DCP metadata this rank's ``finish`` delivered, if it ran DCP's finish."""
@@ -477,6 +491,23 @@ class GroupSave:
             path=None if self.decision is None else self.decision.path,
             writer=None if self.ctx.writer is None else self.ctx.writer.writer_id,
         )
+
+
+def emit_checkpoint(ctx: PipelineContext, job: SaveJob, path: str | None) -> None:
+    """The checkpoint record of ``job`` on this rank, once it finished (reached B4 or failed)."""
+    h = job.handle
+    failed_at = h.failed_at
+    ctx.events.emit(
+        "checkpoint",
+        job.step,
+        durability_path=path,
+        boundaries={b.name: t for b, t in sorted(h.times.items())},
+        reached=None if h.reached is None else h.reached.name,
+        failed_at=None if failed_at is None else failed_at.name,
+        error=None if h.error is None else f"{type(h.error).__name__}: {h.error}",
+        bytes=sum(s.nbytes for s in job.slot.items),
+        end=monotonic(),
+    )
 
 
 def _items(reports: list[RankReport]) -> list[ItemRecord]:

@@ -25,7 +25,7 @@ from collections.abc import Collection
 from shoal._collector import collector_paused
 from shoal.boundary import Boundary
 from shoal.engine.fence import WriterFence
-from shoal.engine.group_save import GroupSave, PipelineContext, SaveJob
+from shoal.engine.group_save import GroupSave, PipelineContext, SaveJob, emit_checkpoint
 from shoal.engine.handle import SaveHandle
 from shoal.engine.packlist import StepSummaries, summarise
 from shoal.engine.retention import apply_retention, latest_step, pack_ids_on, plan_retention
@@ -150,6 +150,7 @@ class Pipeline:
             except Exception as e:
                 log.warning("could not delete the staged index of abandoned step %d: %s", job.step, e)
         job.handle.fail(Boundary.STAGED, error)
+        emit_checkpoint(self.context, job, None)
 
     def _retain(self, step: int) -> None:
         """Retention after ``step`` committed: the coordinator on shared, host leaders on their tier."""

@@ -13,11 +13,12 @@ The group-save sequencer (:mod:`shoal.engine.group_save`) calls these between C2
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Sequence
 
 from shoal import failpoints
+from shoal.engine.events import monotonic
 from shoal.engine.packwriter import write_pack
+from shoal.engine.path import PARTNER
 from shoal.engine.protocol import PipelineContext
 from shoal.format import layout
 from shoal.format.chunking import digest
@@ -47,7 +48,7 @@ def exchange(
     expected = [c for _, chunks in incoming for c in chunks]
     errors: list[tuple[str, Exception]] = []
     index: PackIndex | None = None
-    t0 = time.perf_counter()
+    t0 = monotonic()
     try:
         works = ctx.fabric.post_sends(sends)
     except Exception as e:
@@ -57,7 +58,9 @@ def exchange(
     stream = ctx.fabric.receive(receives, ctx.scratch)
     try:
         if expected:
+            start = monotonic()
             index = _receive_pack(ctx, step, expected, stream)
+            _emit_replica(ctx, plan, step, index, start)
     except Exception as e:
         errors.append(("replicate (receive)", e))
         for _ in stream:  # let the senders finish: drain what is still coming
@@ -67,7 +70,7 @@ def exchange(
             ctx.fabric.wait_all(works)
         except Exception as e:
             errors.append(("replicate (send)", e))
-    _emit(ctx, plan, step, expected, time.perf_counter() - t0)
+    _emit(ctx, plan, step, expected, t0)
     return index, errors
 
 
@@ -87,7 +90,30 @@ def _receive_pack(
     )
 
 
-def _emit(ctx: PipelineContext, plan: GroupPlan, step: int, expected: list[ChunkRef], seconds: float) -> None:
+def _emit_replica(ctx: PipelineContext, plan: GroupPlan, step: int, index: PackIndex, start: float) -> None:
+    """The writer record of the replica pack this rank received (``docs/events.md``)."""
+    end = monotonic()
+    receivers = {t.dst_rank for t in plan.transfers}
+    assert ctx.host_tier is not None
+    ctx.events.emit(
+        "write",
+        step,
+        tier=ctx.host_tier.kind,
+        what="replica",
+        path=layout.pack_path(index.pack_id),
+        bytes=index.size,
+        start=start,
+        end=end,
+        seconds=end - start,
+        writers=len(receivers),
+        concurrency=len(receivers),
+        host_concurrency=sum(1 for r in receivers if ctx.topology.host_of(r) == ctx.host),
+        durability_path=PARTNER,
+        sources=sorted({t.src_rank for t in plan.receives_at(ctx.rank)}),
+    )
+
+
+def _emit(ctx: PipelineContext, plan: GroupPlan, step: int, expected: list[ChunkRef], start: float) -> None:
     sent = sum(t.nbytes for t in plan.sends_from(ctx.rank))
     if not (sent or expected):
         return
@@ -97,7 +123,9 @@ def _emit(ctx: PipelineContext, plan: GroupPlan, step: int, expected: list[Chunk
         tier=ctx.host_tier.kind if ctx.host_tier else None,
         sent_bytes=sent,
         received_bytes=sum(c.length for c in expected),
-        seconds=seconds,
+        start=start,
+        end=(end := monotonic()),
+        seconds=end - start,
         writers=len({t.dst_rank for t in plan.transfers}),
     )
 

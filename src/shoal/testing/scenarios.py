@@ -21,6 +21,7 @@ from shoal import failpoints
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.config import Config
+from shoal.engine.events import read_events
 from shoal.engine.inventory import read_staged
 from shoal.engine.store import list_checkpoints
 from shoal.format import layout
@@ -201,9 +202,7 @@ def frozen_second_checkpoint(rank: int, world: int, *, root: str) -> dict[str, A
         out["handles"] = [_handle_summary(h1), _handle_summary(h2)]
         events = ckpt.config.event_log
     assert events is not None  # resolved: the local tier's events.jsonl by default
-    with open(events) as f:
-        rows = [json.loads(line) for line in f]
-    out["events"] = [r for r in rows if r.get("rank") == rank]
+    out["events"] = [dict(e.fields) for e in read_events(events) if e.rank == rank]
     return out
 
 
@@ -272,11 +271,9 @@ def bench_group_save(rank: int, world: int, *, root: str, mib_per_rank: int, rep
                 times.append({int(b): s for b, s in h.times.items()})
         events = ckpt.config.event_log
     assert events is not None  # resolved: the local tier's events.jsonl by default
-    with open(events) as f:
-        for line in f:
-            e = json.loads(line)
-            if e.get("event") == "coordination" and e.get("rank") == rank and e.get("step", 0) > 0:
-                coordination.append(e["seconds"])
+    for e in read_events(events, kinds=["coordination"]):
+        if e.rank == rank and (e.step or 0) > 0:
+            coordination.append(e["seconds"])
     return {"times": times, "coordination": coordination}
 
 
@@ -327,12 +324,8 @@ def held_replicas_are_reused(rank: int, world: int, *, root: str) -> dict[str, A
         host = ckpt.host
         local_run = ckpt.local.url
     assert events is not None  # resolved: the local tier's events.jsonl by default
-    with open(events) as f:
-        rows = [json.loads(line) for line in f]
-    out["sent"] = {
-        step: sum(r.get("sent_bytes", 0) for r in rows if r["event"] == "replicate" and r["step"] == step)
-        for step in (1, 2)
-    }
+    rows = read_events(events, kinds=["replicate"])
+    out["sent"] = {step: sum(r["sent_bytes"] for r in rows if r.step == step) for step in (1, 2)}
     with open(os.path.join(local_run, layout.manifest_path(2)), "rb") as f:
         manifest = json.loads(f.read())
     out["host"] = host
