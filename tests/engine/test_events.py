@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import pathlib
+import re
 
 import pytest
 import torch
@@ -213,3 +215,13 @@ def test_four_ranks_on_two_hosts_write_replica_records_on_the_receivers(tmp_path
     for c in checkpoints:
         assert c.durability_path == "partner" and c.reached == "RESTARTABLE"
         assert list(c.boundaries) == ["STAGED", "REPLICATED", "PERSISTED", "RESTARTABLE"]
+
+
+def test_the_documented_example_reads_back_as_typed_records(tmp_path):
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "events.md").read_text()
+    example = re.search(r"```json\n(.*?)```", doc, flags=re.S)
+    assert example is not None
+    path = tmp_path / "events.jsonl"
+    path.write_text(example.group(1))
+    kinds = [type(e) for e in read_events(str(path))]
+    assert kinds == [WriterRecord, WriterRecord, CheckpointRecord, WriterRecord]
