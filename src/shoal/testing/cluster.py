@@ -22,6 +22,9 @@ which brings the cluster up, runs the command once per host inside that host's n
 ``SHOAL_HOST_ID``, ``SHOAL_CLUSTER_HOST``, ``SHOAL_CLUSTER_HOSTS``, ``SHOAL_S3_ENDPOINT``,
 ``SHOAL_FABRIC_ADDR`` of host 0 and fake AWS credentials in the environment), prints each host's
 interface byte counts, and tears everything down, also on Ctrl-C or an error.
+
+:meth:`Cluster.run_ranks` runs a scenario as one gloo job across the hosts (a few ranks per host,
+started by :mod:`shoal.testing.cluster_ranks` in each host's namespace, joined over the fabric).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +56,9 @@ FAKE_AWS = {
     "AWS_DEFAULT_REGION": "us-east-1",
     "AWS_EC2_METADATA_DISABLED": "true",
 }
+
+RANK_PORT = 29500
+"""The first port rank 0 serves the job's store on (host 0's fabric address); each run takes the next."""
 
 __all__ = ["Cluster", "ClusterError", "ClusterSpec", "LinkCounters", "cannot_run", "remove_leftovers"]
 
@@ -178,6 +185,7 @@ class Cluster:
         self.run_id = str(os.getpid())
         self._made: list[str] = []
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._rank_runs = 0
 
     # -- names and addresses -----------------------------------------------------------------
     def ns(self, role: str) -> str:
@@ -340,6 +348,148 @@ class Cluster:
             stats["fb0"]["tx"]["bytes"],
             stats["fb0"]["rx"]["bytes"],
         )
+
+    def run_ranks(
+        self,
+        scenario: str | Callable[..., Any],
+        ranks_per_host: int,
+        args: Mapping[str, Any] | None = None,
+        *,
+        timeout: float = 120.0,
+    ) -> list[Any]:
+        """Run ``scenario(rank, world_size, **args)`` on ``ranks_per_host`` gloo ranks on every host.
+
+        ``scenario`` is ``"package.module:function"`` or a module-level function (each rank imports
+        it). Host ``i`` runs :mod:`shoal.testing.cluster_ranks` in its namespace, which starts global
+        ranks ``i * ranks_per_host ...``; they join over the fabric (rank 0's store at host 0's
+        fabric address, gloo bound to ``fb0``). ``args`` and each rank's return value must be JSON;
+        the values come back in rank order. When a rank fails the others get
+        :data:`~shoal.testing.cluster_ranks.GRACE_S` seconds, then every rank still running is
+        killed, and :class:`~shoal.testing.multiproc.RankFailed` carries each failed rank's
+        traceback (and the end of the hosts' output); likewise after ``timeout`` seconds.
+        """
+        from shoal.testing.cluster_ranks import GRACE_S, result_path
+        from shoal.testing.multiproc import RankFailed
+
+        if not self._made:
+            raise ClusterError("run_ranks needs a started cluster (use `with Cluster(...)` or start())")
+        if ranks_per_host < 1:
+            raise ValueError(f"ranks_per_host must be >= 1, got {ranks_per_host}")
+        if not isinstance(scenario, str):
+            scenario = f"{scenario.__module__}:{scenario.__qualname__}"
+        world = self.spec.hosts * ranks_per_host
+        port = RANK_PORT + self._rank_runs
+        self._rank_runs += 1
+        out = tempfile.mkdtemp(prefix="shoal-cluster-ranks-")
+        procs: list[subprocess.Popen[bytes]] = []
+        timed_out = False
+        try:
+            for i in range(self.spec.hosts):
+                argv = [
+                    self.python, "-m", "shoal.testing.cluster_ranks", "--scenario", scenario,
+                    "--host", str(i), "--hosts", str(self.spec.hosts),
+                    "--ranks-per-host", str(ranks_per_host),
+                    "--master", self.fabric_addr(0), "--port", str(port),
+                    "--args", json.dumps(dict(args or {})), "--out", out, "--timeout", str(timeout),
+                ]  # fmt: skip
+                with open(os.path.join(out, f"h{i}.log"), "wb") as log:
+                    env = self.host_env(i)
+                    launcher = self.popen_in(
+                        self.host_ns(i),
+                        argv,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                    procs.append(launcher)
+            deadline = time.monotonic() + timeout
+            grace: float | None = None
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if grace is None and (
+                    any(p.returncode for p in procs) or _a_rank_failed(out, world, result_path)
+                ):
+                    grace = now + GRACE_S
+                if now > deadline:
+                    timed_out = True
+                    break
+                if grace is not None and now > grace:
+                    break
+                time.sleep(0.2)
+        finally:
+            _stop_launchers(procs)
+            for p in procs:
+                with contextlib.suppress(ValueError):
+                    self._procs.remove(p)
+            results, failures = _gather(out, world, ranks_per_host, result_path)
+            logs = _log_tails(out, self.spec.hosts)
+            shutil.rmtree(out, ignore_errors=True)
+        if timed_out:
+            failures.insert(0, f"ranks timed out after {timeout} s; finished: {sorted(results)}")
+        if failures:
+            raise RankFailed("\n".join(failures) + logs)
+        return [results[r] for r in range(world)]
+
+
+def _stop_launchers(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Stop the hosts' launchers that still run, and their ranks: SIGTERM first (a launcher then
+    kills and reaps its ranks), SIGKILL to each launcher's process group after 10 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)  # whatever of its group is left (its session's id is its pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+
+
+def _a_rank_failed(out: str, world: int, result_path: Callable[[str, int], str]) -> bool:
+    for r in range(world):
+        path = result_path(out, r)
+        if os.path.exists(path):
+            with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as f:
+                if not json.load(f).get("ok"):
+                    return True
+    return False
+
+
+def _gather(
+    out: str, world: int, ranks_per_host: int, result_path: Callable[[str, int], str]
+) -> tuple[dict[int, Any], list[str]]:
+    """Each rank's value, and a line (or traceback) for each rank that failed or wrote nothing."""
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    for r in range(world):
+        where = f"rank {r} (host h{r // ranks_per_host})"
+        try:
+            with open(result_path(out, r), encoding="utf-8") as f:
+                record = json.load(f)
+        except FileNotFoundError:
+            failures.append(f"{where} wrote no result (it died, hung or was killed)")
+            continue
+        except (OSError, ValueError) as e:
+            failures.append(f"{where}: its result cannot be read: {e}")
+            continue
+        if record.get("ok"):
+            results[r] = record.get("value")
+        else:
+            failures.append(f"{where} failed:\n{record.get('error', '(no error recorded)')}")
+    return results, failures
+
+
+def _log_tails(out: str, hosts: int, limit: int = 4000) -> str:
+    """The end of each host's launcher output (the ranks' stdout and stderr)."""
+    parts = []
+    for i in range(hosts):
+        with contextlib.suppress(OSError), open(os.path.join(out, f"h{i}.log"), "rb") as f:
+            text = f.read().decode(errors="replace").strip()
+            if text:
+                parts.append(f"\n--- host h{i} output (last {limit} characters) ---\n{text[-limit:]}")
+    return "".join(parts)
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
