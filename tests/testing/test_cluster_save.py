@@ -97,6 +97,8 @@ def test_a_save_through_s3_drains_the_plans_balance_over_each_hosts_storage_nic(
         assert sum(drained.values()) == sum(packs.values()), (drained, packs)
         unique = 6 * MIB + HOSTS * RANKS_PER_HOST * int(1.5 * MIB)  # the model once, every shard
         assert sum(drained.values()) == unique, drained
+        assert saved[0]["planned_new_bytes"] == [unique], saved[0]  # the coordinator's plan
+        assert all(r["planned_new_bytes"] == [] for r in saved[1:])
 
         # The plan's balance: the state is even across hosts, so is the drain.
         half = unique / HOSTS

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.config import Config
-from shoal.engine.events import read_events
+from shoal.engine.events import WriterRecord, read_events
 from shoal.testing.checkpoints import assert_state_equal, zeros_like_state
 from shoal.testing.s3 import S3Admin, s3_storage_options
 
@@ -103,7 +103,8 @@ def save_state(
 
     Rank 0 creates the bucket first. Returns the rank's host, the handle's outcome, every ``write``
     event of this rank on the shared tier (``what``, ``path``, ``bytes``), the bytes it sent to its
-    partner (``replicate`` events), and on rank 0 every object on S3 with its size after B4.
+    partner (``replicate`` events), the new bytes of the coordinator's plan (``planned``, rank 0
+    only) and on rank 0 every object on S3 with its size after B4.
     """
     if rank == 0:
         admin = S3Admin(_env("SHOAL_S3_ENDPOINT"))
@@ -120,17 +121,22 @@ def save_state(
         event_log = ckpt.config.event_log
     if event_log is None:
         raise RuntimeError("the checkpointer resolved no event log path")
-    events = [e for e in read_events(event_log) if e.get("rank") == rank and e.get("step") == step]
+    events = [
+        e
+        for e in read_events(event_log, kinds=("write", "replicate", "planned"))
+        if e.rank == rank and e.step == step
+    ]
     out: dict[str, Any] = {
         "rank": rank,
         "host": _env("SHOAL_HOST_ID"),
         "reached": None if handle.reached is None else int(handle.reached),
         "writes": [
-            {"what": e.get("what"), "path": e.get("path"), "bytes": int(e["bytes"])}
+            {"what": e.what, "path": e.path, "bytes": e.bytes}
             for e in events
-            if e.get("event") == "write" and e.get("tier") == "shared"
+            if isinstance(e, WriterRecord) and e.tier == "shared"
         ],
-        "replicated": sum(int(e.get("sent_bytes", 0)) for e in events if e.get("event") == "replicate"),
+        "replicated": sum(int(e.get("sent_bytes", 0)) for e in events if e.event == "replicate"),
+        "planned_new_bytes": [int(e.get("new_bytes", -1)) for e in events if e.event == "planned"],
     }
     dist.barrier()  # every rank's save and close are done before the listing
     if rank == 0:
