@@ -170,7 +170,11 @@ def test_run_ranks_forms_one_gloo_job_over_the_fabric_and_kills_what_fails_or_ha
         # One rank fails while the others go on: its traceback comes back, the rest are killed.
         with pytest.raises(RankFailed) as failed:
             cluster.run_ranks(
-                "shoal.testing.cluster_scenarios:sleep_or_fail", RANKS_PER_HOST, {"bad_rank": 3}, timeout=60
+                "shoal.testing.cluster_scenarios:sleep_or_fail",
+                RANKS_PER_HOST,
+                {"bad_rank": 3},
+                timeout=60,
+                grace=2,
             )
         message = str(failed.value)
         assert "rank 3 (host h1) failed" in message and "ValueError: rank 3 fails on purpose" in message

@@ -356,6 +356,7 @@ class Cluster:
         args: Mapping[str, Any] | None = None,
         *,
         timeout: float = 120.0,
+        grace: float | None = None,
     ) -> list[Any]:
         """Run ``scenario(rank, world_size, **args)`` on ``ranks_per_host`` gloo ranks on every host.
 
@@ -363,10 +364,11 @@ class Cluster:
         it). Host ``i`` runs :mod:`shoal.testing.cluster_ranks` in its namespace, which starts global
         ranks ``i * ranks_per_host ...``; they join over the fabric (rank 0's store at host 0's
         fabric address, gloo bound to ``fb0``). ``args`` and each rank's return value must be JSON;
-        the values come back in rank order. When a rank fails the others get
-        :data:`~shoal.testing.cluster_ranks.GRACE_S` seconds, then every rank still running is
-        killed, and :class:`~shoal.testing.multiproc.RankFailed` carries each failed rank's
-        traceback (and the end of the hosts' output); likewise after ``timeout`` seconds.
+        the values come back in rank order. When a rank fails the others get ``grace`` seconds
+        (:data:`~shoal.testing.cluster_ranks.GRACE_S` by default: they may be failing too, over a
+        collective they shared with it), then every rank still running is killed, and
+        :class:`~shoal.testing.multiproc.RankFailed` carries each failed rank's traceback (and the
+        end of the hosts' output); likewise after ``timeout`` seconds.
         """
         from shoal.testing.cluster_ranks import GRACE_S, result_path
         from shoal.testing.multiproc import RankFailed
@@ -377,6 +379,7 @@ class Cluster:
             raise ValueError(f"ranks_per_host must be >= 1, got {ranks_per_host}")
         if not isinstance(scenario, str):
             scenario = f"{scenario.__module__}:{scenario.__qualname__}"
+        grace_s = GRACE_S if grace is None else grace
         world = self.spec.hosts * ranks_per_host
         port = RANK_PORT + self._rank_runs
         self._rank_runs += 1
@@ -390,7 +393,8 @@ class Cluster:
                     "--host", str(i), "--hosts", str(self.spec.hosts),
                     "--ranks-per-host", str(ranks_per_host),
                     "--master", self.fabric_addr(0), "--port", str(port),
-                    "--args", json.dumps(dict(args or {})), "--out", out, "--timeout", str(timeout),
+                    "--args", json.dumps(dict(args or {})), "--out", out,
+                    "--timeout", str(timeout), "--grace", str(grace_s),
                 ]  # fmt: skip
                 with open(os.path.join(out, f"h{i}.log"), "wb") as log:
                     env = self.host_env(i)
@@ -404,17 +408,17 @@ class Cluster:
                     )
                     procs.append(launcher)
             deadline = time.monotonic() + timeout
-            grace: float | None = None
+            until: float | None = None  # once a rank failed: when the others are stopped
             while any(p.poll() is None for p in procs):
                 now = time.monotonic()
-                if grace is None and (
+                if until is None and (
                     any(p.returncode for p in procs) or _a_rank_failed(out, world, result_path)
                 ):
-                    grace = now + GRACE_S
+                    until = now + grace_s
                 if now > deadline:
                     timed_out = True
                     break
-                if grace is not None and now > grace:
+                if until is not None and now > until:
                     break
                 time.sleep(0.2)
         finally:

@@ -15,9 +15,10 @@ comes from the host's environment. Each rank then calls ``scenario(rank, world_s
 writes ``{"rank", "host", "ok", "value" | "error"}`` as JSON to ``<out>/r<rank>.json``. The value
 must be JSON-serialisable.
 
-The launcher waits for its ranks; once one fails the others get ``GRACE_S`` seconds (they may be
-waiting on it in a collective), and past ``--timeout`` every rank still running is killed. It exits
-0 when every rank succeeded, 1 otherwise.
+The launcher waits for its ranks; once one fails the others get ``--grace`` seconds (``GRACE_S``
+by default; they may be waiting on it in a collective), and past ``--timeout`` every rank still
+running is killed. SIGTERM stops the launcher the same way (its ranks are killed and reaped); a rank
+whose launcher dies is killed by the kernel. It exits 0 when every rank succeeded, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -135,13 +136,13 @@ def _host_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
         for r in range(args.ranks_per_host)
     ]
     deadline = time.monotonic() + args.timeout
-    grace: float | None = None
+    until: float | None = None  # once a rank failed: when the others are killed
     try:
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
-            if grace is None and any(p.returncode for p in procs):
-                grace = now + GRACE_S
-            if now > deadline or (grace is not None and now > grace):
+            if until is None and any(p.returncode for p in procs):
+                until = now + args.grace
+            if now > deadline or (until is not None and now > until):
                 break
             time.sleep(0.1)
     finally:
@@ -172,6 +173,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--args", default="{}", help="the scenario's keyword arguments, a JSON object")
     p.add_argument("--out", required=True, help="directory for the ranks' r<rank>.json results")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is killed")
+    p.add_argument(
+        "--grace", type=float, default=GRACE_S, help="seconds the others run on after a rank failed"
+    )
     p.add_argument("--ifname", default="fb0", help="the fabric interface gloo binds (GLOO_SOCKET_IFNAME)")
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # a rank process, not the host
     p.add_argument("--launcher", type=int, default=None, help=argparse.SUPPRESS)  # the rank's launcher pid
