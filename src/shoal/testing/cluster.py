@@ -43,6 +43,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.testing.cluster_ranks import GRACE_S, result_path
+from shoal.testing.multiproc import RankFailed
+
 PREFIX = "shc-"
 """Every namespace this harness makes is named ``shc-<pid>-<role>``."""
 VETH_PREFIX = "shx"
@@ -370,9 +373,6 @@ class Cluster:
         :class:`~shoal.testing.multiproc.RankFailed` carries each failed rank's traceback (and the
         end of the hosts' output); likewise after ``timeout`` seconds.
         """
-        from shoal.testing.cluster_ranks import GRACE_S, result_path
-        from shoal.testing.multiproc import RankFailed
-
         if not self._made:
             raise ClusterError("run_ranks needs a started cluster (use `with Cluster(...)` or start())")
         if ranks_per_host < 1:
@@ -411,9 +411,7 @@ class Cluster:
             until: float | None = None  # once a rank failed: when the others are stopped
             while any(p.poll() is None for p in procs):
                 now = time.monotonic()
-                if until is None and (
-                    any(p.returncode for p in procs) or _a_rank_failed(out, world, result_path)
-                ):
+                if until is None and (any(p.returncode for p in procs) or _a_rank_failed(out, world)):
                     until = now + grace_s
                 if now > deadline:
                     timed_out = True
@@ -426,7 +424,7 @@ class Cluster:
             for p in procs:
                 with contextlib.suppress(ValueError):
                     self._procs.remove(p)
-            results, failures = _gather(out, world, ranks_per_host, result_path)
+            results, failures = _gather(out, world, ranks_per_host)
             logs = _log_tails(out, self.spec.hosts)
             shutil.rmtree(out, ignore_errors=True)
         if timed_out:
@@ -451,7 +449,8 @@ def _stop_launchers(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             p.wait(timeout=10)
 
 
-def _a_rank_failed(out: str, world: int, result_path: Callable[[str, int], str]) -> bool:
+def _a_rank_failed(out: str, world: int) -> bool:
+    """Whether some rank already wrote a failure."""
     for r in range(world):
         path = result_path(out, r)
         if os.path.exists(path):
@@ -461,9 +460,7 @@ def _a_rank_failed(out: str, world: int, result_path: Callable[[str, int], str])
     return False
 
 
-def _gather(
-    out: str, world: int, ranks_per_host: int, result_path: Callable[[str, int], str]
-) -> tuple[dict[int, Any], list[str]]:
+def _gather(out: str, world: int, ranks_per_host: int) -> tuple[dict[int, Any], list[str]]:
     """Each rank's value, and a line (or traceback) for each rank that failed or wrote nothing."""
     results: dict[int, Any] = {}
     failures: list[str] = []
