@@ -1,0 +1,205 @@
+"""Benchmark scenarios for the emulated cluster (``benchmarks/cluster_save.py``), one contender each.
+
+Each function runs on every rank of a :meth:`shoal.testing.cluster.Cluster.run_ranks` job, builds
+:func:`~shoal.testing.cluster_scenarios.cluster_state` (a data-parallel model plus this rank's
+optimizer shard), and saves it ``saves + 1`` times through the cluster's S3, each save after the
+previous one finished; the first is a warm-up (shoal's slabs, s3fs's connections) and is not timed.
+Before every save each tensor gets ``+ 1`` on all its elements (on every rank alike, so the model
+stays replicated): every chunk is new, no save is shortened by deduplication.
+
+Every rank returns its own numbers; rank 0 adds the CPU time the whole machine and the S3 server
+spent during the timed saves (``/proc`` is shared by the namespaces), so the caller can tell the
+CPU or moto from the links as the bottleneck.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from shoal.boundary import Boundary
+from shoal.checkpointer import Checkpointer
+from shoal.testing.cluster_scenarios import cluster_config, cluster_state
+from shoal.testing.s3 import S3Admin, s3_storage_options
+
+__all__ = ["async_save_bench", "cpu_seconds", "dcp_save_bench", "shoal_bench"]
+
+WAIT_S = 300.0
+
+
+def cpu_seconds(pid: int | None = None) -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of process ``pid``), from ``/proc``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    busy = (sum(fields[:8]) - idle) / tick
+    proc = 0.0
+    if pid is not None:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+            proc = (int(rest[11]) + int(rest[12])) / tick  # utime, stime
+        except (OSError, IndexError, ValueError):
+            proc = float("nan")
+    return busy, proc
+
+
+def _mutate(state: dict[str, Any]) -> None:
+    for group in state.values():
+        for t in group.values():
+            t.add_(1.0)
+
+
+def _prepare(rank: int, bucket: str, model_mib: int, shard_mib: float) -> dict[str, Any]:
+    if rank == 0:
+        admin = S3Admin(os.environ["SHOAL_S3_ENDPOINT"])
+        try:
+            if bucket not in {b["Name"] for b in admin.client.list_buckets().get("Buckets", [])}:
+                admin.create_bucket(bucket)
+        finally:
+            admin.close()
+    dist.barrier()
+    return cluster_state(rank, model_mib=model_mib, shard_mib=shard_mib)
+
+
+class _Window:
+    """Rank 0's wall and CPU clock over the timed saves (between two barriers)."""
+
+    def __init__(self, rank: int, moto_pid: int | None) -> None:
+        self.rank, self.moto_pid = rank, moto_pid
+        self.t0 = 0.0
+        self.cpu0 = (0.0, 0.0)
+
+    def start(self) -> None:
+        dist.barrier()
+        self.t0 = time.perf_counter()
+        self.cpu0 = cpu_seconds(self.moto_pid)
+
+    def stop(self, out: dict[str, Any]) -> None:
+        dist.barrier()
+        if self.rank == 0:
+            busy, moto = cpu_seconds(self.moto_pid)
+            out["window_s"] = time.perf_counter() - self.t0
+            out["cpu_busy_s"] = busy - self.cpu0[0]
+            out["moto_cpu_s"] = moto - self.cpu0[1]
+
+
+def shoal_bench(
+    rank: int,
+    world: int,
+    *,
+    bucket: str,
+    dram_root: str,
+    local_root: str,
+    saves: int,
+    model_mib: int,
+    shard_mib: float,
+    moto_pid: int | None = None,
+) -> dict[str, Any]:
+    """shoal: stall = until ``save`` returns (B1); B2/B3/B4 from the handle after it reached B4."""
+    state = _prepare(rank, bucket, model_mib, shard_mib)
+    cfg = cluster_config(bucket=bucket, dram_root=dram_root, local_root=local_root)
+    out: dict[str, Any] = {"rank": rank, "stall": [], "times": []}
+    window = _Window(rank, moto_pid)
+    with Checkpointer(cfg) as ckpt:
+        for step in range(saves + 1):
+            _mutate(state)
+            if step == 1:
+                window.start()
+            else:
+                dist.barrier()
+            t0 = time.perf_counter()
+            handle = ckpt.save(step, state)
+            stall = time.perf_counter() - t0
+            handle.wait(Boundary.RESTARTABLE, timeout=WAIT_S)
+            if step == 0:
+                continue
+            out["stall"].append(stall)
+            out["times"].append({str(int(b)): s for b, s in handle.times.items()})
+        window.stop(out)
+        ckpt.wait()
+    return out
+
+
+def _writer(bucket: str, name: str) -> FsspecWriter:
+    opts = s3_storage_options(os.environ["SHOAL_S3_ENDPOINT"])
+    return FsspecWriter(f"s3://{bucket}/{name}", **opts)
+
+
+def dcp_save_bench(
+    rank: int,
+    world: int,
+    *,
+    bucket: str,
+    saves: int,
+    model_mib: int,
+    shard_mib: float,
+    moto_pid: int | None = None,
+    **_: Any,
+) -> dict[str, Any]:
+    """``dcp.save`` with DCP's own ``FsspecWriter`` to ``s3://<bucket>/dcp-step<N>``.
+
+    Synchronous: its stall is the whole save."""
+    state = _prepare(rank, bucket, model_mib, shard_mib)
+    out: dict[str, Any] = {"rank": rank, "stall": []}
+    window = _Window(rank, moto_pid)
+    for step in range(saves + 1):
+        _mutate(state)
+        if step == 1:
+            window.start()
+        else:
+            dist.barrier()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t0 = time.perf_counter()
+            dcp.save(state, storage_writer=_writer(bucket, f"dcp-step{step}"))
+            stall = time.perf_counter() - t0
+        if step:
+            out["stall"].append(stall)
+    window.stop(out)
+    return out
+
+
+def async_save_bench(
+    rank: int,
+    world: int,
+    *,
+    bucket: str,
+    saves: int,
+    model_mib: int,
+    shard_mib: float,
+    moto_pid: int | None = None,
+    **_: Any,
+) -> dict[str, Any]:
+    """``dcp.async_save`` (its default: the writer stages a CPU copy) with ``FsspecWriter`` to
+    ``s3://<bucket>/dcp-async-step<N>``: stall = until it returns, completion = until its future is done."""
+    state = _prepare(rank, bucket, model_mib, shard_mib)
+    out: dict[str, Any] = {"rank": rank, "stall": [], "complete": []}
+    window = _Window(rank, moto_pid)
+    for step in range(saves + 1):
+        _mutate(state)
+        if step == 1:
+            window.start()
+        else:
+            dist.barrier()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t0 = time.perf_counter()
+            fut = dcp.async_save(state, storage_writer=_writer(bucket, f"dcp-async-step{step}"))
+            stall = time.perf_counter() - t0
+            upload = fut.upload_completion if isinstance(fut, AsyncSaveResponse) else fut
+            upload.result()
+            done = time.perf_counter() - t0
+        if step:
+            out["stall"].append(stall)
+            out["complete"].append(done)
+    window.stop(out)
+    return out
