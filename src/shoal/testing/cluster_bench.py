@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -134,6 +135,44 @@ def _writer(bucket: str, name: str) -> FsspecWriter:
     return FsspecWriter(f"s3://{bucket}/{name}", **opts)
 
 
+def _dcp_bench(
+    rank: int,
+    bucket: str,
+    saves: int,
+    model_mib: int,
+    shard_mib: float,
+    moto_pid: int | None,
+    one_save: Callable[[dict[str, Any], FsspecWriter], tuple[float, float] | None],
+    name: str,
+) -> dict[str, Any]:
+    """``saves`` timed DCP saves after a warm-up, each to ``s3://<bucket>/<name><N>``.
+
+    ``one_save`` makes one save and returns when its stall ends; it returns the seconds from its
+    start to the end of its stall and to completion (None: synchronous, the stall is the whole save)."""
+    state = _prepare(rank, bucket, model_mib, shard_mib)
+    out: dict[str, Any] = {"rank": rank, "stall": [], "complete": []}
+    window = _Window(rank, moto_pid)
+    for step in range(saves + 1):
+        _mutate(state)
+        if step == 1:
+            window.start()
+        else:
+            dist.barrier()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t0 = time.perf_counter()
+            done = one_save(state, _writer(bucket, f"{name}{step}"))
+            stall = time.perf_counter() - t0 if done is None else done[0]
+        if step:
+            out["stall"].append(stall)
+            if done is not None:
+                out["complete"].append(done[1])
+    if not out["complete"]:
+        del out["complete"]
+    window.stop(out)
+    return out
+
+
 def dcp_save_bench(
     rank: int,
     world: int,
@@ -148,24 +187,11 @@ def dcp_save_bench(
     """``dcp.save`` with DCP's own ``FsspecWriter`` to ``s3://<bucket>/dcp-step<N>``.
 
     Synchronous: its stall is the whole save."""
-    state = _prepare(rank, bucket, model_mib, shard_mib)
-    out: dict[str, Any] = {"rank": rank, "stall": []}
-    window = _Window(rank, moto_pid)
-    for step in range(saves + 1):
-        _mutate(state)
-        if step == 1:
-            window.start()
-        else:
-            dist.barrier()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            t0 = time.perf_counter()
-            dcp.save(state, storage_writer=_writer(bucket, f"dcp-step{step}"))
-            stall = time.perf_counter() - t0
-        if step:
-            out["stall"].append(stall)
-    window.stop(out)
-    return out
+
+    def one(state: dict[str, Any], writer: FsspecWriter) -> None:
+        dcp.save(state, storage_writer=writer)
+
+    return _dcp_bench(rank, bucket, saves, model_mib, shard_mib, moto_pid, one, "dcp-step")
 
 
 def async_save_bench(
@@ -181,25 +207,13 @@ def async_save_bench(
 ) -> dict[str, Any]:
     """``dcp.async_save`` (its default: the writer stages a CPU copy) with ``FsspecWriter`` to
     ``s3://<bucket>/dcp-async-step<N>``: stall = until it returns, completion = until its future is done."""
-    state = _prepare(rank, bucket, model_mib, shard_mib)
-    out: dict[str, Any] = {"rank": rank, "stall": [], "complete": []}
-    window = _Window(rank, moto_pid)
-    for step in range(saves + 1):
-        _mutate(state)
-        if step == 1:
-            window.start()
-        else:
-            dist.barrier()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            t0 = time.perf_counter()
-            fut = dcp.async_save(state, storage_writer=_writer(bucket, f"dcp-async-step{step}"))
-            stall = time.perf_counter() - t0
-            upload = fut.upload_completion if isinstance(fut, AsyncSaveResponse) else fut
-            upload.result()
-            done = time.perf_counter() - t0
-        if step:
-            out["stall"].append(stall)
-            out["complete"].append(done)
-    window.stop(out)
-    return out
+
+    def one(state: dict[str, Any], writer: FsspecWriter) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, storage_writer=writer)
+        stall = time.perf_counter() - t0
+        upload = fut.upload_completion if isinstance(fut, AsyncSaveResponse) else fut
+        upload.result()
+        return stall, time.perf_counter() - t0
+
+    return _dcp_bench(rank, bucket, saves, model_mib, shard_mib, moto_pid, one, "dcp-async-step")
