@@ -118,3 +118,15 @@ def test_the_command_line_runs_a_command_on_every_host() -> None:
     assert done.returncode == 0, done.stderr
     assert "on h0" in done.stdout and "on h1" in done.stdout
     assert "h1: LinkCounters(" in done.stdout
+
+
+def test_run_ranks_on_the_first_hosts_only() -> None:
+    with Cluster(ClusterSpec(hosts=3)) as cluster:
+        placed = cluster.run_ranks("shoal.testing.cluster_scenarios:all_reduce_placement", 2, hosts=2)
+        assert [(p["rank"], p["world"], p["host"]) for p in placed] == [
+            (0, 4, "h0"), (1, 4, "h0"), (2, 4, "h1"), (3, 4, "h1"),
+        ]  # fmt: skip
+        assert {p["sum"] for p in placed} == {0 + 1 + 2 + 3}
+        for bad in (0, 4):
+            with pytest.raises(ValueError, match=r"hosts must be in 1\.\.3"):
+                cluster.run_ranks("shoal.testing.cluster_scenarios:all_reduce_placement", 1, hosts=bad)

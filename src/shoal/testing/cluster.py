@@ -360,6 +360,7 @@ class Cluster:
         *,
         timeout: float = 120.0,
         grace: float | None = None,
+        hosts: int | None = None,
     ) -> list[Any]:
         """Run ``scenario(rank, world_size, **args)`` on ``ranks_per_host`` gloo ranks on every host.
 
@@ -371,8 +372,12 @@ class Cluster:
         (:data:`~shoal.testing.cluster_ranks.GRACE_S` by default: they may be failing too, over a
         collective they shared with it), then every rank still running is killed, and
         :class:`~shoal.testing.multiproc.RankFailed` carries each failed rank's traceback (and the
-        end of the hosts' output); likewise after ``timeout`` seconds.
+        end of the hosts' output); likewise after ``timeout`` seconds. ``hosts``: run on the first
+        ``hosts`` hosts only (default: all of them); the others stay idle.
         """
+        used = self.spec.hosts if hosts is None else hosts
+        if not 1 <= used <= self.spec.hosts:
+            raise ValueError(f"hosts must be in 1..{self.spec.hosts} (the cluster's hosts), got {hosts}")
         if not self._made:
             raise ClusterError("run_ranks needs a started cluster (use `with Cluster(...)` or start())")
         if ranks_per_host < 1:
@@ -380,17 +385,17 @@ class Cluster:
         if not isinstance(scenario, str):
             scenario = f"{scenario.__module__}:{scenario.__qualname__}"
         grace_s = GRACE_S if grace is None else grace
-        world = self.spec.hosts * ranks_per_host
+        world = used * ranks_per_host
         port = RANK_PORT + self._rank_runs
         self._rank_runs += 1
         out = tempfile.mkdtemp(prefix="shoal-cluster-ranks-")
         procs: list[subprocess.Popen[bytes]] = []
         timed_out = False
         try:
-            for i in range(self.spec.hosts):
+            for i in range(used):
                 argv = [
                     self.python, "-m", "shoal.testing.cluster_ranks", "--scenario", scenario,
-                    "--host", str(i), "--hosts", str(self.spec.hosts),
+                    "--host", str(i), "--hosts", str(used),
                     "--ranks-per-host", str(ranks_per_host),
                     "--master", self.fabric_addr(0), "--port", str(port),
                     "--args", json.dumps(dict(args or {})), "--out", out,
@@ -425,7 +430,7 @@ class Cluster:
                 with contextlib.suppress(ValueError):
                     self._procs.remove(p)
             results, failures = _gather(out, world, ranks_per_host)
-            logs = _log_tails(out, self.spec.hosts)
+            logs = _log_tails(out, used)
             shutil.rmtree(out, ignore_errors=True)
         if timed_out:
             failures.insert(0, f"ranks timed out after {timeout} s; finished: {sorted(results)}")
