@@ -139,11 +139,12 @@ def step_phases(
         for name in ("planned", "replicate")
     }
     writes = [r for r in records if r["event"] == "write" and r.get("tier") == "shared"]
-    chain = [
-        ("save_called", "stage", "staged"),
-        ("staged", "queue+hash", "hashed"),
-        ("hashed", "C1", "STAGED"),
-    ]
+    chain = [("called", "DCP plan", "save_called"), ("save_called", "stage", "staged")]
+    if "returned" in marks:
+        chain += [("staged", "DCP finish", "returned"), ("returned", "queue+hash", "hashed")]
+    else:
+        chain.append(("staged", "queue+hash", "hashed"))
+    chain.append(("hashed", "C1", "STAGED"))
     for start, phase, end in chain:
         if start in marks and end in marks:
             out[phase] = marks[end] - marks[start]
