@@ -18,7 +18,7 @@ Rank 0 reads the machine's and the S3 server's CPU time over each contender's sa
 python+torch ranks on few cores the CPU, not the network, can be what bounds the protocol.
 Needs root. Usage::
 
-    python benchmarks/cluster_coord.py --shapes 2x1 2x2 4x2 4x4 --saves 8 --plot docs/img/cluster_coord.png
+    python benchmarks/cluster_coord.py --shapes 2x1 2x2 4x2 4x4 8x2 --saves 10 --plot out.png
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from shoal.testing.cluster_coord import CONTENDERS, median_of_max
 NAN = float("nan")
 CPU_BOUND = 0.9
 """Above this share of every core busy (or of one core for moto's process) the CPU bounds."""
+DEFAULT_SHAPES = ((2, 1), (2, 2), (4, 2), (4, 4), (8, 2))
+"""2 to 16 ranks; 16 python+torch ranks on a 2-core machine are CPU bound (the output says so)."""
 AITURBO_MS, AITURBO_RANKS = 45.0, 64
 """AITURBO's reported coordination overhead: at most 45 ms at 64 ranks."""
 
@@ -78,8 +80,12 @@ def summarize(ranks: list[dict[str, Any]], name: str) -> dict[str, Any]:
     if "times" in runs[0]:
         for b in ("2", "3", "4"):
             res[f"B{b}"] = median_of_max([[t[b] for t in r["times"]] for r in runs])
+        done = [[t["4"] for t in r["times"]] for r in runs]
+        res["after_b4"] = median_of_max([r["after_b4"] for r in runs])
     else:
-        res["B4"] = median_of_max([r["complete"] for r in runs])
+        done = [r["complete"] for r in runs]
+        res["B4"] = median_of_max(done)
+    res["per_save"] = [max(values) for values in zip(*done, strict=True)]
     keys = list(dict.fromkeys(k for p in runs[0]["phases"] for k in p))
     res["phases"] = {k: _rank0_median(ranks, name, k) for k in keys}
     r0 = runs[0]
@@ -108,6 +114,7 @@ def run_shape(args: argparse.Namespace, hosts: int, per_host: int) -> dict[str, 
                 "contenders": list(args.contenders),
                 "tensors": args.tensors,
                 "kib": args.kib,
+                "settle": not args.no_settle,
                 "moto_pid": _moto_pid(cluster),
             }
             ranks = cluster.run_ranks("shoal.testing.cluster_coord:coord_bench", per_host, job, timeout=900)
@@ -152,13 +159,14 @@ def print_tables(shapes: list[dict[str, Any]], names: Sequence[str]) -> None:
         )
     print()
     print(
-        "| ranks | hosts | shoal direct: stall / B4 (ms) | dcp.save: outside its two writes (ms, rank 0) "
-        "| dcp.async_save: stall / completion (ms) |"
+        "| ranks | hosts | shoal partner / direct: after B4 until idle (ms) | shoal direct: stall / B4 (ms) "
+        "| dcp.save: outside its two writes (ms, rank 0) | dcp.async_save: stall / completion (ms) |"
     )
-    print("|---:|---:|---|---:|---|")
+    print("|---:|---:|---|---|---:|---|")
     for s in shapes:
+        idle = " / ".join(_cell(s.get(n), "after_b4") for n in ("shoal-partner", "shoal-direct"))
         print(
-            f"| {s['world']} | {s['hosts']} | {_cell(s.get('shoal-direct'), 'stall', 'B4')} "
+            f"| {s['world']} | {s['hosts']} | {idle} | {_cell(s.get('shoal-direct'), 'stall', 'B4')} "
             f"| {_cell(s.get('dcp.save'), 'phases.coordination')} "
             f"| {_cell(s.get('dcp.async_save'), 'stall', 'B4')} |"
         )
@@ -189,33 +197,50 @@ def print_notes(shapes: list[dict[str, Any]], names: Sequence[str]) -> None:
             f"- {s['hosts']}x{s['per_host']} ({s['world']} ranks, {s['saves']} saves, {s['seconds']:.0f} s, "
             f"load {s['load']}): CPU busy of {cores} cores: " + "; ".join(parts)
         )
+        raw = "; ".join(f"{n} {' '.join(_ms(x) for x in s[n]['per_save'])}" for n in names)
+        print(f"  each save, slowest rank's B4 / completion (ms): {raw}")
 
 
 def plot(shapes: list[dict[str, Any]], names: Sequence[str], path: str) -> None:
-    """Time per checkpoint against ranks: shoal stall and B4, dcp.save (and the others run)."""
+    """Time per checkpoint against ranks: shoal stall and B4, dcp.save (and the others run).
+
+    A line joins the first shape of each rank count; a further shape of the same count (``8x2``
+    after ``4x4``) is an unjoined marker. AITURBO's figure is its one point, at 64 ranks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     lines = [("shoal-partner", "stall", "shoal stall"), ("shoal-partner", "B4", "shoal B4 (partner)"),
              ("shoal-direct", "B4", "shoal B4 (direct)"), ("dcp.save", "stall", "dcp.save"),
              ("dcp.async_save", "B4", "dcp.async_save completion")]  # fmt: skip
+    first = {s["world"]: s for s in reversed(shapes)}
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     for name, key, label in lines:
-        if name in names:
-            pts = sorted((s["world"], s[name][key] * 1e3) for s in shapes)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax.axhline(
-        AITURBO_MS, color="grey", linestyle=":", label=f"AITURBO: {AITURBO_MS:g} ms at {AITURBO_RANKS}"
-    )
+        if name not in names:
+            continue
+        pts = sorted((w, s[name][key] * 1e3) for w, s in first.items())
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        for s in shapes:
+            if first[s["world"]] is not s:
+                ax.plot(
+                    [s["world"]], [s[name][key] * 1e3], marker="s", fillstyle="none", color=line.get_color()
+                )
+    ax.plot([AITURBO_RANKS], [AITURBO_MS], marker="*", markersize=12, color="black", linestyle="none",
+            label=f"AITURBO (reported): {AITURBO_MS:g} ms at {AITURBO_RANKS}")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("ranks")
+    ticks = sorted({*first, AITURBO_RANKS})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("ranks (hollow squares: a second shape of that rank count)")
     ax.set_ylabel("ms per checkpoint (median, slowest rank)")
-    ax.set_title("Tiny-state checkpoint on the emulated cluster")
+    ax.set_title("Tiny-state checkpoint on the emulated cluster (2 cores)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path)
@@ -226,16 +251,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=[(2, 1), (2, 2), (4, 2), (4, 4)],
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=list(DEFAULT_SHAPES),
                         help="HOSTSxRANKS_PER_HOST, e.g. 2x1 4x4 8x2")  # fmt: skip
     parser.add_argument("--mbit", type=float, default=1000.0, help="every link: host NICs, fabric, storage")
-    parser.add_argument("--saves", type=int, default=8, help="timed saves per contender below 16 ranks")
+    parser.add_argument("--saves", type=int, default=10, help="timed saves per contender below 16 ranks")
     parser.add_argument(
-        "--saves-16", type=int, default=5, help="timed saves per contender at 16 ranks or more"
+        "--saves-16", type=int, default=6, help="timed saves per contender at 16 ranks or more"
     )
     parser.add_argument("--tensors", type=int, default=4)
     parser.add_argument("--kib", type=int, default=4, help="KiB per tensor")
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
+    parser.add_argument("--no-settle", action="store_true",
+                        help="start each shoal save once the previous reached B4 (default: once its "
+                        "pipeline work, the retention pass after B4, is done too)")  # fmt: skip
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of time against ranks")
     args = parser.parse_args()
     why = cannot_run()
@@ -249,9 +277,11 @@ def main() -> int:
             print("cluster_coord: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
             return 2
     shapes = [run_shape(args, hosts, per_host) for hosts, per_host in args.shapes]
+    after = "reached B4" if args.no_settle else "is done (B4 and its retention pass)"
     print(
         f"Every link {args.mbit:g} Mbit/s; each rank {args.tensors} x {args.kib} KiB of its own, changed "
-        f"before each save; median over the timed saves (after a warm-up) of the slowest rank.\n"
+        f"before each save; median over the timed saves (after a warm-up) of the slowest rank. Each shoal "
+        f"save starts once the previous one {after}.\n"
     )
     print_tables(shapes, args.contenders)
     print_notes(shapes, args.contenders)

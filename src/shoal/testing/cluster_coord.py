@@ -6,7 +6,9 @@ DCP deduplicates it away) and saves it ``saves`` times after one warm-up with ea
 turn, in one process, each save after a barrier and after the previous one finished:
 
   * ``shoal-partner`` / ``shoal-direct``: shoal through ``s3://`` with that durability path, until
-    the handle reached B4; stall = until ``save`` returns, ``B1``..``B4`` from the handle, and from
+    the handle reached B4, then (``settle``) until the pipeline is idle, timed as ``after_b4`` (the
+    retention pass after every commit, which the next save would queue behind); stall = until
+    ``save`` returns, ``B1``..``B4`` from the handle, and from
     the event log the seconds inside the protocol's control collectives (the engine's
     ``coordination`` record) and where each step's time went (:func:`step_phases`),
   * ``dcp.save``: with DCP's ``FsspecWriter`` to ``s3://<bucket>/dcp-<N>``, its writer timed
@@ -251,11 +253,18 @@ def _start_save(step: int, window: _CpuWindow, state: Mapping[str, torch.Tensor]
 
 
 def _shoal_run(
-    rank: int, state: Mapping[str, torch.Tensor], saves: int, window: _CpuWindow, **cfg_args: Any
+    rank: int,
+    state: Mapping[str, torch.Tensor],
+    saves: int,
+    window: _CpuWindow,
+    settle: bool,
+    **cfg_args: Any,
 ) -> dict[str, Any]:
-    """``saves`` timed shoal saves after a warm-up; each waits for B4. Phases from the event log."""
+    """``saves`` timed shoal saves after a warm-up; each waits for B4, and with ``settle`` then for
+    the pipeline to go idle (``after_b4``: the retention pass that follows every commit). Phases
+    from the event log."""
     cfg = cluster_config(**cfg_args)
-    out: dict[str, Any] = {"stall": [], "times": []}
+    out: dict[str, Any] = {"stall": [], "times": [], "after_b4": []}
     calls: dict[int, tuple[float, float]] = {}
     with Checkpointer(cfg) as ckpt:
         for step in range(saves + 1):
@@ -264,7 +273,11 @@ def _shoal_run(
             handle = ckpt.save(step, dict(state))
             stall, m1 = time.perf_counter() - t0, monotonic()
             handle.wait(Boundary.RESTARTABLE, timeout=WAIT_S)
+            t1 = time.perf_counter()
+            if settle:
+                ckpt.wait(WAIT_S)
             if step:
+                out["after_b4"].append(time.perf_counter() - t1)
                 calls[step] = (m0, m1)
                 out["stall"].append(stall)
                 out["times"].append({str(int(b)): s for b, s in handle.times.items()})
@@ -319,6 +332,7 @@ def _shoal_contender(
     dram_root: str,
     local_root: str,
     path: str,
+    settle: bool,
     window: _CpuWindow,
 ) -> dict[str, Any]:
     """shoal with durability path ``path``: its own job, S3 prefix and host tier roots."""
@@ -327,6 +341,7 @@ def _shoal_contender(
         state,
         saves,
         window,
+        settle,
         bucket=bucket,
         dram_root=os.path.join(dram_root, path),
         local_root=os.path.join(local_root, path),
@@ -359,6 +374,7 @@ def coord_bench(
     contenders: Sequence[str] = CONTENDERS,
     tensors: int = 4,
     kib: int = 4,
+    settle: bool = True,
     moto_pid: int | None = None,
 ) -> dict[str, Any]:
     """Every contender of ``contenders`` (:data:`CONTENDERS`) in turn on this rank: ``saves`` timed
@@ -366,7 +382,9 @@ def coord_bench(
 
     Every rank calls it with the same arguments; the contenders run in the same order on every
     rank, and every save starts after a barrier of all ranks. shoal's contenders each get their own
-    job, S3 prefix and host tier roots (``<root>/<contender>``).
+    job, S3 prefix and host tier roots (``<root>/<path>``); with ``settle`` each of their saves
+    starts once the previous one's pipeline work is all done (its retention pass after B4 too),
+    without it as soon as the previous one reached B4.
     """
     _prepare_bucket(rank, bucket)
     state = tiny_state(rank, tensors=tensors, kib=kib)
@@ -377,7 +395,7 @@ def coord_bench(
     }
     for path in ("partner", "direct"):
         runs[f"shoal-{path}"] = functools.partial(
-            _shoal_contender, rank, state, saves, bucket, dram_root, local_root, path
+            _shoal_contender, rank, state, saves, bucket, dram_root, local_root, path, settle
         )
     for name in contenders:
         if name not in runs:
