@@ -150,9 +150,10 @@ def print_tables(shapes: list[dict[str, Any]], names: Sequence[str]) -> None:
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
     for s in shapes:
-        sh, dc = s.get("shoal-partner") or s.get("shoal-direct"), s.get("dcp.save")
+        shoal = "shoal-partner" if "shoal-partner" in s else "shoal-direct"
+        sh, dc = s.get(shoal), s.get("dcp.save")
         ratio = f"{dc['stall'] / sh['B4']:.2f}" if sh and dc else ""
-        cpu = " / ".join(f"{s[n]['cpu']:.0%}" for n in ("shoal-partner", "dcp.save") if n in s)
+        cpu = " / ".join(f"{s[n]['cpu']:.0%}" for n in (shoal, "dcp.save") if n in s)
         print(
             f"| {s['world']} | {s['hosts']} | {_cell(sh, 'stall')} | {_cell(sh, 'B4')} "
             f"| {_cell(sh, 'phases.coordination')} | {_cell(dc, 'stall')} | {ratio} | {cpu} |"
@@ -164,7 +165,7 @@ def print_tables(shapes: list[dict[str, Any]], names: Sequence[str]) -> None:
     )
     print("|---:|---:|---|---|---:|---|")
     for s in shapes:
-        idle = " / ".join(_cell(s.get(n), "after_b4") for n in ("shoal-partner", "shoal-direct"))
+        idle = " / ".join(_cell(s.get(n), "after_b4") for n in ("shoal-partner", "shoal-direct")).strip(" /")
         print(
             f"| {s['world']} | {s['hosts']} | {idle} | {_cell(s.get('shoal-direct'), 'stall', 'B4')} "
             f"| {_cell(s.get('dcp.save'), 'phases.coordination')} "

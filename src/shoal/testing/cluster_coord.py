@@ -277,7 +277,8 @@ def _shoal_run(
             if settle:
                 ckpt.wait(WAIT_S)
             if step:
-                out["after_b4"].append(time.perf_counter() - t1)
+                if settle:
+                    out["after_b4"].append(time.perf_counter() - t1)
                 calls[step] = (m0, m1)
                 out["stall"].append(stall)
                 out["times"].append({str(int(b)): s for b, s in handle.times.items()})
