@@ -190,3 +190,43 @@ def test_close_gives_the_dram_slabs_back(config):
         assert os.listdir(staged)  # with the index of what the slot holds
         ckpt.wait()
     assert os.listdir(slabs) == [] and os.listdir(staged) == []
+
+
+def test_a_large_drain_goes_out_as_several_packs_in_flight_at_once(tmp_path, dram_root):
+    config = make_config(tmp_path, dram_root, drain_pack_bytes=128 << 10, drain_streams=3)
+    state = {"w": torch.randn(256 << 10), "b": torch.arange(10)}  # 1 MiB + 80 bytes
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(1, state).wait(timeout=60)
+        packs = [p for p in ckpt.shared.list(layout.PACKS_DIR + "/") if p.endswith(".pack")]
+        assert len(packs) == 8  # round(1 MiB / 128 KiB), each about the same size
+        assert pack_bytes_on(ckpt.shared) == 4 * (256 << 10) + 80
+        writes = [
+            e for e in read_events(ckpt.config.event_log) if e["event"] == "write" and e["what"] == "pack"
+        ]
+        assert len(writes) == 8 and {w["concurrency"] for w in writes} == {3}
+    with shoal.Checkpointer(config) as fresh:  # the slabs went back at close: from the packs
+        out = zeros_like_state(state)
+        assert fresh.load(out) == 1
+        assert fresh.last_load is not None and fresh.last_load.shared_bytes == 4 * (256 << 10) + 80
+    assert_state_equal(out, state)
+
+
+def test_one_failing_pack_upload_fails_the_checkpoint_and_commits_nothing(tmp_path, dram_root):
+    config = make_config(tmp_path, dram_root, drain_pack_bytes=128 << 10, drain_streams=2)
+    failpoints.configure("pipeline.after_pack=raise")
+    try:
+        with shoal.Checkpointer(config) as ckpt:
+            handle = ckpt.save(1, {"w": torch.randn(256 << 10)})
+            with pytest.raises(shoal.CheckpointFailed, match="after_pack"):
+                handle.wait(timeout=60)
+            assert ckpt.latest() is None and not ckpt.shared.exists(layout.commit_path(1))
+    finally:
+        failpoints.configure(None)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("drain_streams", 0), ("drain_streams", 65), ("drain_pack_bytes", 1024)]
+)
+def test_drain_settings_out_of_range_are_refused(tmp_path, dram_root, field, value):
+    with pytest.raises(shoal.ConfigError, match=f"Config.{field}"):
+        make_config(tmp_path, dram_root, **{field: value})

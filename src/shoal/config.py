@@ -55,6 +55,17 @@ class Config:
         on_busy: when every slot is in flight, ``"wait"`` (back-pressure, counted as
             stall) or ``"skip"`` (the save returns a skipped handle).
         hash_threads: BLAKE3 threads per rank (0: automatic).
+        drain_streams: uploads each rank keeps in flight for its share of the drain to shared
+            storage (default 4). One stream rarely fills a storage NIC, and an object store that
+            handles an object only once its whole body has arrived leaves the link idle meanwhile
+            unless another upload is under way.
+        drain_pack_bytes: about how large each pack of the drain is (default 16 MiB): a rank's
+            share is cut into packs of about this size, ``drain_streams`` of them in flight. Each
+            pack costs two requests (the pack and its index); smaller packs shorten the idle tail
+            of a store that handles an object after its body.
+        balance_drain: balance the drain over the hosts' storage NICs (default). Off, each new
+            chunk several ranks hold is drained by the lowest of those ranks, whatever its host
+            already drains: for measuring what the balance is worth, not for production.
         host_id: this host's name; defaults to ``$SHOAL_HOST_ID`` or the hostname.
         storage_options: passed to fsspec for the shared tier (endpoint, credentials).
         event_log: JSON-lines event log path; defaults to ``events.jsonl`` in this run's directory
@@ -86,6 +97,9 @@ class Config:
     dram_slots: int = 2
     on_busy: str = "wait"
     hash_threads: int = 0
+    drain_streams: int = 4
+    drain_pack_bytes: int = 16 << 20
+    balance_drain: bool = True
     host_id: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     event_log: str | None = None
@@ -123,6 +137,22 @@ class Config:
             raise ConfigError(f"Config.on_busy must be one of {ON_BUSY}, got {self.on_busy!r}")
         if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
             raise ConfigError(f"Config.keep_last must be None or an int >= 1, got {self.keep_last!r}")
+        if not isinstance(self.balance_drain, bool):
+            raise ConfigError(f"Config.balance_drain must be True or False, got {self.balance_drain!r}")
+        if (
+            not isinstance(self.drain_pack_bytes, int)
+            or isinstance(self.drain_pack_bytes, bool)
+            or self.drain_pack_bytes < MIN_CHUNK_SIZE
+        ):
+            raise ConfigError(
+                f"Config.drain_pack_bytes must be an int >= {MIN_CHUNK_SIZE}, got {self.drain_pack_bytes!r}"
+            )
+        if (
+            not isinstance(self.drain_streams, int)
+            or isinstance(self.drain_streams, bool)
+            or not 1 <= self.drain_streams <= 64
+        ):
+            raise ConfigError(f"Config.drain_streams must be an int in [1, 64], got {self.drain_streams!r}")
         if not isinstance(self.dram_slots, int) or self.dram_slots < 1:
             raise ConfigError(f"Config.dram_slots must be an int >= 1, got {self.dram_slots!r}")
         if self.replicate_to not in REPLICATE_TO:

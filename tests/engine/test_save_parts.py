@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shoal import failpoints
 from shoal.boundary import Boundary
 from shoal.engine.commit import CheckpointCommit
 from shoal.engine.fence import WriterFence
-from shoal.engine.packwriter import slab_runs, write_pack
+from shoal.engine.packwriter import drain_parts, slab_runs, write_pack
 from shoal.errors import ChecksumMismatch, FormatError, InvalidName, MissingFile, WriterFenced
 from shoal.format import layout
 from shoal.format.chunking import digest
@@ -209,3 +211,33 @@ def test_latest_that_cannot_move_takes_the_commit_record_back(tier: PosixTier) -
     assert commit.reached == Boundary.PERSISTED
     assert tier.exists(layout.manifest_path(3))
     assert not tier.exists(layout.commit_path(3)) and not tier.exists(layout.LATEST)
+
+
+# -- the drain's packs ------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 1 << 20), min_size=1, max_size=60),
+    pack_bytes=st.integers(4096, 8 << 20),
+)
+def test_drain_parts_cover_every_chunk_once_in_order_in_about_equal_packs(lengths, pack_bytes):
+    parts = drain_parts(lengths, pack_bytes=pack_bytes)
+    assert parts[0][0] == 0 and parts[-1][1] == len(lengths)
+    assert all(lo < hi for lo, hi in parts)
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False))
+    total = sum(lengths)
+    assert len(parts) == max(1, min(len(lengths), round(total / pack_bytes)))
+    if len(parts) > 1:  # each part within one chunk of an equal share
+        share, longest = total / len(parts), max(lengths)
+        for lo, hi in parts:
+            assert abs(sum(lengths[lo:hi]) - share) <= 2 * longest
+
+
+def test_a_small_share_is_one_pack_and_a_large_one_many():
+    chunk = 256 << 10
+    assert drain_parts([chunk] * 8, pack_bytes=16 << 20) == [(0, 8)]
+    assert drain_parts([chunk] * 64, pack_bytes=2 << 20) == [(i, i + 8) for i in range(0, 64, 8)]
+
+
+def test_drain_parts_refuses_a_pack_size_below_one():
+    with pytest.raises(ValueError, match="pack_bytes"):
+        drain_parts([1, 2], pack_bytes=0)

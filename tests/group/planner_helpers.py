@@ -69,14 +69,17 @@ def pickled(ranks: Iterable[RankChunks]) -> list[RankChunks]:
     return [RankChunks(rc.rank, rc.host, pickle.loads(pickle.dumps(rc.items))) for rc in ranks]
 
 
-def plan_drains(step: int, ranks: Sequence[RankChunks], durable: frozenset[str] | set[str]) -> GroupPlan:
+def plan_drains(
+    step: int, ranks: Sequence[RankChunks], durable: frozenset[str] | set[str], *, balance: bool = True
+) -> GroupPlan:
     """The plan without replication, hosts as the ranks report them (each its own failure domain).
 
     Every rank ``0 .. len(ranks) - 1`` reports once (in any order); ``()`` plans nothing.
     """
     by_rank = sorted(ranks, key=lambda rc: rc.rank)
     hosts = [rc.host for rc in by_rank] or ["h0"]
-    return plan_group_save(step, ranks, durable, build_topology(hosts, replicate=False), replicate=False)
+    topology = build_topology(hosts, replicate=False)
+    return plan_group_save(step, ranks, durable, topology, replicate=False, balance=balance)
 
 
 def hosts_by_digest(ranks: Iterable[RankChunks]) -> dict[str, set[str]]:

@@ -236,3 +236,18 @@ def test_sixteen_thousand_ranks_plan_quickly() -> None:
     drained = plan.bytes_per_host()
     assert max(drained.values()) - min(drained.values()) <= 4 << 20  # 16 hosts drain one extra chunk
     assert elapsed < 10, f"planning took {elapsed:.1f}s"
+
+
+def test_without_balance_every_shared_chunk_is_drained_by_the_lowest_rank_holding_it() -> None:
+    lengths = {_d(i): 10 for i in range(8)}
+    ranks = [
+        rank(r, f"h{r // 2}", _item("model.w", [0, 1, 2, 3], lengths), _item(f"own.{r}", [4 + r], lengths))
+        for r in range(4)
+    ]
+    balanced = plan_drains(0, ranks, set())
+    lowest = plan_drains(0, ranks, set(), balance=False)
+    assert balanced.bytes_per_host() == {"h0": 40, "h1": 40}
+    assert lowest.bytes_per_host() == {"h0": 60, "h1": 20}  # the whole model from h0, each its own
+    model = {ref.digest: d.rank for d in lowest.drains for ref in d.chunks if ref.key == "model.w"}
+    assert sorted(model) == sorted(_d(i) for i in range(4)) and set(model.values()) == {0}
+    assert lowest.new_bytes == balanced.new_bytes == 80  # the same chunks, once each

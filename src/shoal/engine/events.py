@@ -159,8 +159,9 @@ class WriterRecord(Event):
 
     ``what`` is ``pack`` (a drain pack on the shared tier), ``replica`` (a partner copy received
     into this host's tier), or ``manifest``/``commit``/``latest`` (the coordinator's commit).
-    ``concurrency`` is how many ranks wrote that kind in this checkpoint (every host);
-    ``host_concurrency`` how many of them on this host.
+    ``concurrency`` is how many writes of that kind this checkpoint had in flight at once, at most
+    (drain packs: the ranks with chunks to drain times the uploads each keeps in flight;
+    replicas: the receiving ranks), over every host; ``host_concurrency`` how many on this host.
     """
 
     tier: str

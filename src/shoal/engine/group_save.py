@@ -45,6 +45,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate, chain
 from typing import Any
 
@@ -56,7 +57,7 @@ from shoal.engine.catalog import ChunkCatalog, pack_problems
 from shoal.engine.commit import CheckpointCommit
 from shoal.engine.events import monotonic
 from shoal.engine.fence import WriterFence, after_failed_commit
-from shoal.engine.packwriter import slab_runs, write_pack
+from shoal.engine.packwriter import drain_parts, slab_runs, write_pack
 from shoal.engine.path import PARTNER, PathContext, PathDecision, PathRecord, decide_path
 from shoal.engine.protocol import (
     GroupFailure,
@@ -307,6 +308,7 @@ class GroupSave:
             ctx.topology,
             held=held,
             replicate=decision.path == PARTNER,
+            balance=ctx.balance_drain,
         )
         ctx.events.emit(
             "planned",
@@ -375,30 +377,51 @@ class GroupSave:
         check_errors(self._collective(ctx.fabric.all_gather, ack))  # C5
 
     # -- C6, C7: drain and commit ------------------------------------------------------------
-    def _drain(self, plan: GroupPlan) -> PackIndex | None:
-        """Write this rank's drain pack to the shared tier, straight from the slab."""
+    def _drain(self, plan: GroupPlan) -> list[PackIndex] | None:
+        """Write this rank's drain packs to the shared tier, straight from the slab.
+
+        The rank's share goes out as packs of about ``ctx.drain_pack_bytes``
+        (:func:`~shoal.engine.packwriter.drain_parts`), ``ctx.drain_streams`` of them uploaded at
+        once: one stream rarely fills a storage NIC, and an object store that handles an object
+        only once its whole body has arrived leaves the link idle meanwhile unless another
+        upload is under way.
+        """
         ctx = self.ctx
         failpoints.hit("pipeline.before_drain", rank=ctx.rank)
         mine = plan.drain_for(ctx.rank)
         if mine is None or not len(mine.runs):
             return None
         chunks = list(mine.runs)
-        pack_id = layout.new_pack_id(self.step, ctx.host, ctx.rank)
-        starts = [self.items[c.key].offset + c.index * ctx.chunk_size for c in chunks]
-        start = monotonic()
-        index = write_pack(
-            ctx.shared,
-            pack_id,
-            chunks,
-            slab_runs(self._slab(), starts, chunks),
-            what=f"step {self.step}: drain",
-            failpoint="pipeline.after_pack",
-            rank=ctx.rank,
-        )
+        parts = drain_parts([c.length for c in chunks], pack_bytes=ctx.drain_pack_bytes)
         hosts = [ctx.topology.host_of(d.rank) for d in plan.drains if len(d.runs)]
-        path = layout.pack_path(pack_id)
-        self._emit_write("pack", path, index.size, start, len(hosts), hosts.count(ctx.host))
-        return index
+        slab = self._slab()
+
+        def one(lo: int, hi: int) -> PackIndex:
+            part = chunks[lo:hi]
+            pack_id = layout.new_pack_id(self.step, ctx.host, ctx.rank)
+            starts = [self.items[c.key].offset + c.index * ctx.chunk_size for c in part]
+            start = monotonic()
+            index = write_pack(
+                ctx.shared,
+                pack_id,
+                part,
+                slab_runs(slab, starts, part),
+                what=f"step {self.step}: drain",
+                failpoint="pipeline.after_pack",
+                rank=ctx.rank,
+            )
+            streams = min(len(parts), ctx.drain_streams)  # the writers of one host count alike
+            writers, on_host = len(hosts) * streams, hosts.count(ctx.host) * streams
+            self._emit_write("pack", layout.pack_path(pack_id), index.size, start, writers, on_host)
+            return index
+
+        if len(parts) == 1:
+            return [one(*parts[0])]
+        with ThreadPoolExecutor(
+            min(len(parts), ctx.drain_streams), thread_name_prefix=f"shoal-drain-r{ctx.rank}"
+        ) as pool:
+            futures = [pool.submit(one, lo, hi) for lo, hi in parts]
+            return [f.result() for f in futures]  # the first error, after every upload ended
 
     def _emit_write(
         self, what: str, path: str, nbytes: int, start: float, writers: int, on_host: int
@@ -437,7 +460,7 @@ class GroupSave:
         try:
             assert ctx.shared_catalog is not None
             commit = CheckpointCommit(ctx.shared, self._fence(), self.step, rank=ctx.rank, record=self._wrote)
-            drained = Holdings.of_packs(i for i in results if isinstance(i, PackIndex))
+            drained = Holdings.of_packs(i for r in results if isinstance(r, list) for i in r)
             kept = Holdings(ctx.shared_catalog.locations, ctx.shared_catalog.packs)
             manifest = build_manifest(self._header(), _items(reports), [drained, kept])
             commit.commit(manifest.encode(), manifest.packs)

@@ -10,7 +10,9 @@ index never names bytes that are not there.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import accumulate, pairwise
 
 import blake3
 
@@ -23,7 +25,7 @@ from shoal.format.pack import PackEntry, PackIndex
 from shoal.group.plan import ChunkRef
 from shoal.tiers.base import Tier
 
-__all__ = ["slab_runs", "write_pack"]
+__all__ = ["drain_parts", "slab_runs", "write_pack"]
 
 
 def write_pack(
@@ -97,3 +99,24 @@ def slab_runs(base: memoryview, starts: Sequence[int], chunks: Sequence[ChunkRef
         run_start, run_end = start, start + ref.length
     if run_end > run_start:
         yield base[run_start:run_end]
+
+
+def drain_parts(lengths: Sequence[int], *, pack_bytes: int) -> list[tuple[int, int]]:
+    """Cut chunks of ``lengths`` (in order) into contiguous parts of about ``pack_bytes`` each.
+
+    Returns ``(start, stop)`` index ranges that cover every chunk once, in order, none empty:
+    as many parts as ``pack_bytes`` fits in the total (rounded, at least one, at most one per
+    chunk), each of about equal bytes.
+    """
+    if pack_bytes < 1:
+        raise ValueError(f"pack_bytes must be >= 1, got {pack_bytes}")
+    total = sum(lengths)
+    count = max(1, min(len(lengths), round(total / pack_bytes)))
+    ends = list(accumulate(lengths))  # ends[k]: the bytes of chunks 0..k
+    cuts = [0]
+    for j in range(1, count):
+        # cut after the chunk where part j's share of the bytes is reached; leave a chunk for each later part
+        at = bisect_left(ends, -(-total * j // count)) + 1
+        cuts.append(max(cuts[-1] + 1, min(at, len(lengths) - (count - j))))
+    cuts.append(len(lengths))
+    return list(pairwise(cuts))

@@ -181,6 +181,12 @@ class PipelineContext:
     resumed: bool = False
     """Whether this process loaded one of the job's checkpoints before its first commit (a
     restart): its writer claim then continues the previous writer's history."""
+    drain_streams: int = 1
+    """Packs each rank uploads at once for its drain share (``Config.drain_streams``)."""
+    balance_drain: bool = True
+    """Whether the planner balances the drain over the hosts (``Config.balance_drain``)."""
+    drain_pack_bytes: int = 1 << 62
+    """About how large a drain pack is (``Config.drain_pack_bytes``); the default: one per rank."""
     writer: Any = None
     """The coordinator's :class:`shoal.engine.fence.WriterFence` (None elsewhere): checked before
     every commit, ``LATEST`` move and retention pass on the shared tier."""

@@ -164,6 +164,9 @@ class Runtime:
             dram=self.dram,
             run_id=run,
             path_policy=self.path_policy,
+            drain_streams=cfg.drain_streams,
+            drain_pack_bytes=cfg.drain_pack_bytes,
+            balance_drain=cfg.balance_drain,
         )
         if host_tier is not None and context.is_host_leader:
             context.host_catalog = ChunkCatalog.scan(host_tier, committed_only=False)

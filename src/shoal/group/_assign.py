@@ -130,8 +130,11 @@ def split(h: Holdings, durable: Container[str]) -> Work:
     return Work(solo, flat, item, index, length, holder, is_durable, flags)
 
 
-def owners(h: Holdings, w: Work, hosts: Hosts, info: SetInfos) -> np.ndarray:
-    """The draining slot of every chunk of ``w`` (-1 for durable ones); solo items go to their holder."""
+def owners(h: Holdings, w: Work, hosts: Hosts, info: SetInfos, *, balance: bool = True) -> np.ndarray:
+    """The draining slot of every chunk of ``w`` (-1 for durable ones); solo items go to their holder.
+
+    Without ``balance`` a chunk several slots hold goes to the lowest of them (the lowest rank),
+    as a writer that deduplicates without regard to the NICs does: for comparison only."""
     n_slots = len(hosts.ranks)
     solo = w.solo_items
     owner = np.full(len(w.flat), -1, dtype=np.int64)
@@ -154,6 +157,9 @@ def owners(h: Holdings, w: Work, hosts: Hosts, info: SetInfos) -> np.ndarray:
     picks = zip(multi[order].tolist(), sets[order].tolist(), w.length[multi][order].tolist(), strict=True)
     for c, k, n in picks:
         s = info[k]
+        if not balance:
+            chosen.append((c, min(min(v) for v in s.by_host.values())))
+            continue
         if len(s.hosts) == 1:
             host = s.hosts[0]
         else:
@@ -407,10 +413,12 @@ def plan_parts(
     durable: Container[str],
     held: Mapping[str, Container[str]] | None,
     partner: Sequence[int] | None,
+    *,
+    balance: bool = True,
 ) -> tuple[Work, list[DrainAssignment], list[Transfer]]:
     w = split(h, durable)
     info = SetInfos(h.sets, hosts)
-    owner = owners(h, w, hosts, info)
+    owner = owners(h, w, hosts, info, balance=balance)
     drained = drains(h, w, hosts, owner)
     if partner is None:
         return w, drained.drains, []

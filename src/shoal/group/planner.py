@@ -148,6 +148,7 @@ def plan_group_save(
     *,
     held: Mapping[str, Container[str]] | None = None,
     replicate: bool = True,
+    balance: bool = True,
 ) -> GroupPlan:
     """Plan one group save: dedup, one drain owner per new chunk balanced by host, replicas.
 
@@ -157,7 +158,9 @@ def plan_group_save(
     holds from retained checkpoints; a new chunk that a host of another failure domain holds
     needs no transfer. Sets (any sized iterable) are intersected in time proportional to the
     smaller side; a bare ``Container`` costs one membership test per chunk that may need a
-    replica. With ``replicate`` the topology must have partners. Pure: no I/O, no
+    replica. With ``replicate`` the topology must have partners. Without ``balance`` a chunk
+    several ranks hold is drained by the lowest of them, whatever its host's load (the
+    balanced export switched off, for comparisons). Pure: no I/O, no
     collectives; raises :class:`~shoal.errors.ConfigError` when the reports disagree with the
     topology.
     """
@@ -166,7 +169,7 @@ def plan_group_save(
         hosts = _group_hosts(ordered, topology)
         partner = _partners(hosts, topology, replicate)
         h = index_tables([rc.items for rc in ordered])
-        w, drains, transfers = assign.plan_parts(h, hosts, durable, held, partner)
+        w, drains, transfers = assign.plan_parts(h, hosts, durable, held, partner, balance=balance)
         return GroupPlan(
             step, tuple(drains), tuple(transfers), h.logical_bytes, assign.unique_bytes(h, w), w.reused_bytes
         )
@@ -185,6 +188,7 @@ class _Planned:
 
     topology: Topology
     replicate: bool
+    balance: bool
     durable: np.ndarray | None
     covered: np.ndarray | None
     plan: GroupPlan
@@ -199,7 +203,7 @@ class PlanCache:
     * the layout signature: ``(rank, host, key, nbytes)`` of every item of every rank;
     * every chunk digest of every item (equal digests mean equal chunks, so equal lengths),
       table by table (columns and digest buffers);
-    * the topology and ``replicate``;
+    * the topology, ``replicate`` and ``balance``;
     * whether each chunk is in ``durable``, and, for each new chunk that may need a
       replica, whether a host of another failure domain holds it (``held``).
 
@@ -231,9 +235,10 @@ class PlanCache:
         *,
         held: Mapping[str, Container[str]] | None = None,
         replicate: bool = True,
+        balance: bool = True,
     ) -> GroupPlan:
         with collector_paused():
-            return self._lookup_or_plan(step, ranks, durable, topology, held, replicate)
+            return self._lookup_or_plan(step, ranks, durable, topology, held, replicate, balance)
 
     def _lookup_or_plan(
         self,
@@ -243,6 +248,7 @@ class PlanCache:
         topology: Topology,
         held: Mapping[str, Container[str]] | None,
         replicate: bool,
+        balance: bool,
     ) -> GroupPlan:
         ordered = _ordered(ranks)
         hosts = _group_hosts(ordered, topology)
@@ -263,6 +269,7 @@ class PlanCache:
             last is not None
             and last.topology == topology
             and last.replicate == replicate
+            and last.balance == balance
             and _same_flags(last.durable, w.flags)
             and _same_flags(last.covered, covered)
         ):
@@ -272,7 +279,7 @@ class PlanCache:
             self.partial_hits += 1
         else:
             self.misses += 1
-        owner = assign.owners(h, w, hosts, info)
+        owner = assign.owners(h, w, hosts, info, balance=balance)
         drained = assign.drains(h, w, hosts, owner)
         transfers = (
             [] if r is None or partner is None else assign.transfers(h, w, hosts, owner, r, partner, drained)
@@ -285,7 +292,7 @@ class PlanCache:
             assign.unique_bytes(h, w),
             w.reused_bytes,
         )
-        self._last = _Planned(topology, replicate, w.flags, covered, plan)
+        self._last = _Planned(topology, replicate, balance, w.flags, covered, plan)
         return plan
 
 
