@@ -216,13 +216,18 @@ def shoal_replicas(
     chunk_kib: int,
     loads: int,
     moto_pid: int | None = None,
+    shared_root: str | None = None,
 ) -> list[dict[str, Any]]:
     """shoal: ``loads + 1`` ``Checkpointer.load`` of step 1, from S3 (``source="shared"``: the host
-    roots must be fresh) or from this job's own DRAM slabs (``"dram"``: it saves the model first)."""
+    roots must be fresh) or from this job's own DRAM slabs (``"dram"``: it saves the model first).
+
+    ``shared_root``: shoal's root in the bucket; by default ``root`` (where :func:`setup_replicas`
+    saved) for ``"shared"`` and ``dram-<world>`` for ``"dram"``, whose save fails with
+    :class:`~shoal.errors.CheckpointExists` where an earlier job saved there: give each DRAM job its own."""
     if source not in ("shared", "dram"):
         raise ValueError(f"source must be 'shared' or 'dram', got {source!r}")
     model = replica_model(model_mib, tensors)
-    root = "root" if source == "shared" else f"dram-{world}"
+    root = shared_root or ("root" if source == "shared" else f"dram-{world}")
     with Checkpointer(_config(bucket, root, dram_root, local_root, chunk_kib)) as ckpt:
         if source == "dram":
             ckpt.save(1, model).wait(Boundary.RESTARTABLE, timeout=WAIT_S)
