@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from shoal.boundary import Boundary
-from shoal.engine.packlist import StepSummary, list_packs
+from shoal.engine.packlist import StepSummary
 from shoal.errors import MissingFile
 from shoal.format import layout
 from shoal.format.manifest import ChunkLocation, Manifest, PackRecord
@@ -93,44 +92,29 @@ class ChunkCatalog:
         return cat
 
 
-_PARALLEL_STATS = 16
-"""Above this many packs, :func:`pack_problems` stats them from a few threads (object stores: one
-round trip each)."""
-
-
 def pack_problems(tier: Tier, packs: Mapping[str, PackRecord]) -> dict[str, str]:
     """Pack id -> what is wrong with it on ``tier``, for each of ``packs`` that is not there whole.
 
     A pack is there whole when its ``.pack`` file has the size its record says and its
-    ``.idx`` exists. Costs one listing of ``packs/`` and one ``info`` per pack. Called by
-    the coordinator before a commit (every pack the new manifest references) and by
-    :meth:`ChunkCatalog.scan`.
+    ``.idx`` exists. Costs one listing of ``packs/`` with sizes (:meth:`Tier.list_sizes`: on an
+    object store or a file system no request per pack, however many packs the manifest
+    references). Called by the coordinator before a commit (every pack the new manifest
+    references) and by :meth:`ChunkCatalog.scan`.
     """
     if not packs:
         return {}
-    listed = list_packs(tier)
-    ids = sorted(packs)
-
-    def problem(pid: str) -> str | None:
+    sizes = tier.list_sizes(layout.PACKS_DIR + "/")
+    out: dict[str, str] = {}
+    for pid in sorted(packs):
         path = layout.pack_path(pid)
-        if pid not in listed.packs:
-            return f"{path} is missing"
-        try:
-            size = tier.info(path).size
-        except MissingFile:
-            return f"{path} is missing"
-        if size != packs[pid].size:
-            return f"{path} is {size} bytes, its record says {packs[pid].size}"
-        if pid not in listed.indexes:
-            return f"{layout.index_path(pid)} (the index of {path}) is missing"
-        return None
-
-    if len(ids) > _PARALLEL_STATS:
-        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="shoal-stat") as pool:
-            found = list(pool.map(problem, ids))
-    else:
-        found = [problem(pid) for pid in ids]
-    return {pid: p for pid, p in zip(ids, found, strict=True) if p is not None}
+        size = sizes.get(path)
+        if size is None:
+            out[pid] = f"{path} is missing"
+        elif size != packs[pid].size:
+            out[pid] = f"{path} is {size} bytes, its record says {packs[pid].size}"
+        elif layout.index_path(pid) not in sizes:
+            out[pid] = f"{layout.index_path(pid)} (the index of {path}) is missing"
+    return out
 
 
 def require_packs(tier: Tier, packs: Mapping[str, PackRecord], what: str) -> None:

@@ -198,6 +198,16 @@ class TierTests:
         assert tier.list("nothing/") == []
         assert tier.list("c/d/") == ["c/d/e"]
 
+    def test_list_sizes_is_the_listing_with_each_files_size(self, tier: Tier) -> None:
+        for path, n in [("p/a.pack", 7), ("p/a.idx", 0), ("p/sub/b", 3), ("q", 5)]:
+            tier.write(path, b"x" * n)
+        assert tier.list_sizes("p/") == {"p/a.idx": 0, "p/a.pack": 7, "p/sub/b": 3}
+        assert tier.list_sizes() == {p: tier.info(p).size for p in tier.list()}
+        assert list(tier.list_sizes()) == tier.list()
+        assert tier.list_sizes("nothing/") == {}
+        with pytest.raises(InvalidName):
+            tier.list_sizes("../")
+
     def test_list_of_an_empty_tier_is_empty(self, tier: Tier) -> None:
         assert tier.list() == []
         assert tier.list("steps/") == []

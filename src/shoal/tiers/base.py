@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from shoal.errors import ConfigError, FormatError
+from shoal.errors import ConfigError, FormatError, MissingFile
 
 BytesLike = bytes | bytearray | memoryview
 Data = BytesLike | Iterable[BytesLike]
@@ -224,6 +224,21 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Every file below ``prefix`` (``""`` for the whole tier), relative, sorted."""
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """Every file below ``prefix`` (as :meth:`list` names them) with its size in bytes.
+
+        This default asks :meth:`info` of each file (one that vanished in between is left out);
+        a tier whose listing carries sizes (a directory scan, an object store's listing)
+        overrides it with that one listing.
+        """
+        out: dict[str, int] = {}
+        for path in self.list(prefix):
+            try:
+                out[path] = self.info(path).size
+            except MissingFile:
+                continue
+        return out
 
     @abc.abstractmethod
     def delete(self, path: str) -> None:

@@ -20,6 +20,7 @@ them, so a symlink or a file planted by someone else is never followed or read.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import pwd
@@ -434,8 +435,9 @@ class PosixTier(Tier):
             raise MissingFile(f"cannot stat {self._where(path)}: it is a directory, not a file")
         return FileInfo(path=path, size=st.st_size, mtime=st.st_mtime)
 
-    def _walk(self, rel: str, found: list[str]) -> None:
-        """Append every listed file below directory ``rel`` (relative to the root) to ``found``."""
+    def _walk(self, rel: str, found: list[str], sizes: dict[str, int] | None = None) -> None:
+        """Append every listed file below directory ``rel`` (relative to the root) to ``found``
+        (and, with ``sizes``, record its size there, from the same scan)."""
         directory = os.path.join(self._root, rel) if rel else self._root
         try:
             entries = list(os.scandir(directory))
@@ -446,9 +448,14 @@ class PosixTier(Tier):
             if not self._listed(child):
                 continue
             if entry.is_dir(follow_symlinks=False):
-                self._walk(child, found)
+                self._walk(child, found, sizes)
             elif entry.is_file(follow_symlinks=False) and not is_temp_name(entry.name):
                 found.append(child)
+                if sizes is not None:
+                    try:
+                        sizes[child] = entry.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:
+                        found.pop()  # removed since the scan saw it
 
     def _listed(self, rel: str) -> bool:
         """Whether the entry ``rel`` (file or directory) belongs to the tier's listing."""
@@ -456,6 +463,14 @@ class PosixTier(Tier):
 
     def list(self, prefix: str = "") -> list[str]:
         """Every file whose relative path starts with ``prefix`` (pass ``"dir/"`` for a directory)."""
+        return self._scan(prefix, None)
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """:meth:`list` with each file's size, from the same directory scan."""
+        sizes: dict[str, int] = {}
+        return {p: sizes[p] for p in self._scan(prefix, sizes)}
+
+    def _scan(self, prefix: str, sizes: dict[str, int] | None) -> builtins.list[str]:
         check_prefix(prefix)
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         found: list[str] = []
@@ -463,7 +478,7 @@ class PosixTier(Tier):
         if not all(self._listed("/".join(parts[: i + 1])) for i in range(len(parts))):
             return found
         with self._wrap("list", prefix or "."):
-            self._walk(base, found)
+            self._walk(base, found, sizes)
         return sorted(p for p in found if p.startswith(prefix))
 
     def delete(self, path: str) -> None:

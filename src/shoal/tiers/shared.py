@@ -214,24 +214,32 @@ class FsspecTier(Tier):
 
     def list(self, prefix: str = "") -> list[str]:
         """Every file whose relative path starts with ``prefix`` (pass ``"dir/"`` for a directory)."""
+        return sorted(self._find(prefix))
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """:meth:`list` with each file's size, from the same listing (no request per file)."""
+        found = self._find(prefix)
+        return {rel: found[rel] for rel in sorted(found)}
+
+    def _find(self, prefix: str) -> dict[str, int]:
         check_prefix(prefix)
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = f"{self._root}/{base}" if base else self._root
         with self._wrap("list", prefix or "."):
             try:
-                found = self.fs.find(start)
+                found = self.fs.find(start, detail=True)
             except FileNotFoundError:
-                return []
+                return {}
         cut = len(self._root) + 1
-        out = []
-        for full in found:
+        out: dict[str, int] = {}
+        for full, info in found.items():
             full = full.rstrip("/")
-            if not full.startswith(self._root + "/"):
+            if not full.startswith(self._root + "/") or info.get("type", "file") != "file":
                 continue
             rel = full[cut:]
             if rel.startswith(prefix) and not is_temp_name(rel.rsplit("/", 1)[-1]):
-                out.append(rel)
-        return sorted(out)
+                out[rel] = int(info.get("size") or 0)
+        return out
 
     def delete(self, path: str) -> None:
         target = self._abs(path)
