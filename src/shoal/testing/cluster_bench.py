@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
+from shoal.engine.events import WriterRecord, read_events
 from shoal.testing.cluster_scenarios import cluster_config, cluster_state
 from shoal.testing.s3 import S3Admin, s3_storage_options
 
@@ -93,6 +94,32 @@ class _Window:
             out["moto_cpu_s"] = moto - self.cpu0[1]
 
 
+def _distinct(state: dict[str, Any], rank: int) -> None:
+    """Make this rank's copy of the model its own (every chunk differs from every other rank's)."""
+    for t in state["model"].values():
+        t.add_(float(rank) * 1e-3)
+
+
+def _pack_window(event_log: str | None, rank: int, steps: range) -> list[list[float] | None]:
+    """Per step, ``[first start, last end, bytes]`` of this rank's drain packs (None: it drained none)."""
+    if event_log is None:
+        return [None for _ in steps]
+    packs = [
+        e
+        for e in read_events(event_log, kinds=("write",))
+        if isinstance(e, WriterRecord) and e.rank == rank and e.what == "pack" and e.tier == "shared"
+    ]
+    out: list[list[float] | None] = []
+    for step in steps:
+        mine = [e for e in packs if e.step == step]
+        out.append(
+            [min(e.start for e in mine), max(e.end for e in mine), sum(e.bytes for e in mine)]
+            if mine
+            else None
+        )
+    return out
+
+
 def shoal_bench(
     rank: int,
     world: int,
@@ -104,10 +131,23 @@ def shoal_bench(
     model_mib: int,
     shard_mib: float,
     moto_pid: int | None = None,
+    config: dict[str, Any] | None = None,
+    distinct_model: bool = False,
+    blocking: bool = False,
 ) -> dict[str, Any]:
-    """shoal: stall = until ``save`` returns (B1); B2/B3/B4 from the handle after it reached B4."""
+    """shoal: stall = until ``save`` returns (B1); B2/B3/B4 from the handle after it reached B4.
+
+    ``config`` overrides :func:`~shoal.testing.cluster_scenarios.cluster_config`'s settings.
+    The switches of the ablations: ``distinct_model`` gives every rank its own copy of the model
+    (nothing to deduplicate: each rank writes its whole state, as a writer without dedup does);
+    ``blocking`` counts the wait for B4 as stall (no staging: training waits for the write).
+    Also returns each timed step's drain window (``packs``: this rank's first pack start, last
+    pack end and pack bytes, on the machine's monotonic clock, the same in every namespace).
+    """
     state = _prepare(rank, bucket, model_mib, shard_mib)
-    cfg = cluster_config(bucket=bucket, dram_root=dram_root, local_root=local_root)
+    if distinct_model:
+        _distinct(state, rank)
+    cfg = cluster_config(bucket=bucket, dram_root=dram_root, local_root=local_root, **(config or {}))
     out: dict[str, Any] = {"rank": rank, "stall": [], "times": []}
     window = _Window(rank, moto_pid)
     with Checkpointer(cfg) as ckpt:
@@ -119,6 +159,8 @@ def shoal_bench(
                 dist.barrier()
             t0 = time.perf_counter()
             handle = ckpt.save(step, state)
+            if blocking:
+                handle.wait(Boundary.RESTARTABLE, timeout=WAIT_S)
             stall = time.perf_counter() - t0
             handle.wait(Boundary.RESTARTABLE, timeout=WAIT_S)
             if step == 0:
@@ -127,6 +169,7 @@ def shoal_bench(
             out["times"].append({str(int(b)): s for b, s in handle.times.items()})
         window.stop(out)
         ckpt.wait()
+        out["packs"] = _pack_window(ckpt.config.event_log, rank, range(1, saves + 1))
     return out
 
 

@@ -39,6 +39,10 @@ __all__ = [
 JOB = "cluster"
 CHUNK = 256 << 10
 """Chunk size of the cluster scenarios: a few MiB of state spans enough chunks to balance."""
+DRAIN_PACK = 2 << 20
+"""Drain pack size of the cluster scenarios. moto handles an upload only once its whole body has
+arrived (about 0.1 s per 10 MiB here); with the scaled-down rates and states of the emulated
+cluster, 16 MiB packs would leave the storage link idle for that long at the end of every drain."""
 
 
 def _env(name: str) -> str:
@@ -65,6 +69,7 @@ def cluster_config(*, bucket: str, dram_root: str, local_root: str, **overrides:
         "local": local,
         "job": JOB,
         "chunk_size": CHUNK,
+        "drain_pack_bytes": DRAIN_PACK,
         "keep_last": None,
         "path": "partner",
         "collective_timeout": 60.0,
