@@ -110,9 +110,9 @@ def _table(results: dict[tuple[int, str], Any], spec: ClusterSpec, replicas: lis
     print(
         "| N | source | shoal s | DCP s | DCP / shoal | shoal storage NIC MiB, total (per host) "
         "| DCP storage NIC MiB, total | shoal fabric MiB, busiest host | shoal: of aggregate storage "
-        "| shoal: of fabric | DCP: of aggregate storage |"
+        "| shoal: of fabric | shoal exchange s (of fabric) | DCP: of aggregate storage |"
     )
-    print("|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|")
     for n in replicas:
         d = metrics[f"{n}/DCP"]
         for source in ("shared", "DRAM"):
@@ -121,9 +121,16 @@ def _table(results: dict[tuple[int, str], Any], spec: ClusterSpec, replicas: lis
                 f"| {n} | {source} | {s['seconds']:.2f} | {d['seconds']:.2f} | "
                 f"{d['seconds'] / s['seconds']:.2f} | {_mib(s['storage'])} | {sum(d['storage']) / MIB:.1f} | "
                 f"{max(s['fabric']) / MIB:.1f} | {s['storage_fraction']:.2f} | {s['fabric_fraction']:.2f} | "
-                f"{d['storage_fraction']:.2f} |"
+                f"{_exchange(s)} | {d['storage_fraction']:.2f} |"
             )
     return metrics
+
+
+def _exchange(m: dict[str, Any]) -> str:
+    """The exchange's seconds and its share of the busiest fabric link, where there was one."""
+    if "exchange_seconds" not in m or not max(m["fabric"]):
+        return ""
+    return f"{m['exchange_seconds']:.2f} ({m['exchange_fraction']:.2f})"
 
 
 def _notes(results: dict[tuple[int, str], Any], cores: int) -> None:
@@ -139,7 +146,7 @@ def _notes(results: dict[tuple[int, str], Any], cores: int) -> None:
             tiers = ", ".join(f"{k} {v / MIB:.1f}" for k, v in sorted(report["bytes_by_tier"].items()))
             where = (
                 f"; read {tiers} MiB, fabric {report['fabric_bytes'] / MIB:.1f} MiB "
-                f"(broadcast {report['broadcast_bytes'] / MIB:.1f}), metadata from {report['origin']}"
+                f"(relayed in hosts {report['relayed_bytes'] / MIB:.1f}), metadata from {report['origin']}"
             )
         print(
             f"N={n} {name}: CPU busy {machine:.0%} of {cores} cores (its ranks {ours:.0%}), moto "

@@ -195,6 +195,8 @@ class Checkpointer:
             bytes_by_tier=dict(report.bytes_by_tier),
             fabric_bytes=report.fabric_bytes,
             repaired=report.repaired,
+            read_seconds=report.read_seconds,
+            exchange_seconds=report.exchange_seconds,
         )
         log.info("loaded %s", sources_in(report))
         self.last_heal = None

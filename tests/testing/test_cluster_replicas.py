@@ -84,3 +84,15 @@ def test_summarise_keeps_the_slowest_rank_and_one_counter_reading_per_host() -> 
 def test_summarise_refuses_ranks_that_disagree_on_the_loads() -> None:
     with pytest.raises(ValueError, match="same loads"):
         summarise([_rank([(1.0, 0)], rank0=True), []], 1)
+
+
+def test_the_exchange_fraction_is_the_busiest_fabric_link_over_the_exchange_alone() -> None:
+    ranks = [_rank([(9.0, 0), (1.0, 4 * MIB), (2.0, 4 * MIB)], rank0=True)]
+    for k, exchange in enumerate((5.0, 0.5, 1.5)):
+        ranks[0][k]["report"] = {"exchange_seconds": exchange}
+    m = load_metrics(summarise(ranks, 1), storage_mbit=300, fabric_mbit=400)
+    assert m["exchange_seconds"] == 1.0  # the median of the timed loads' (the warm-up left out)
+    assert m["exchange_fraction"] == pytest.approx(2 * MIB / 1.0 / 50e6)
+    assert "exchange_seconds" not in load_metrics(
+        summarise([_rank([(9.0, 0), (1.0, 0)], rank0=True)], 1), storage_mbit=300, fabric_mbit=400
+    )

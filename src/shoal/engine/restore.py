@@ -13,8 +13,10 @@ Collective, on the background fabric, every rank in the same order:
  R5   gather failures        chunks whose every local source failed: planned
  R4'  broadcast repairs      again on another host (or the error naming the item
                              and every source tried); until none fail
-  -   exchange               readers send verified chunks to every rank needing
-                             them; receivers verify again before use
+  -   exchange               readers send verified chunks once to every host
+                             needing them, relays spread them inside the host
+                             (:mod:`shoal.group.exchange`); receivers verify
+                             again before use
  R6   all-gather stats       bytes per tier, so every rank can say what it used
 ====  =====================  =====================================================
 
@@ -42,6 +44,7 @@ from shoal.errors import CheckpointNotFound, ChecksumMismatch, RestoreFailed, Sh
 from shoal.format import layout
 from shoal.format.chunking import verify
 from shoal.format.manifest import Manifest
+from shoal.group.exchange import plan_exchange
 from shoal.group.fabric import Fabric
 from shoal.group.readplan import SHARED, Choice, ChunkRead, ReadPlan, Source, choose_checkpoint, plan_reads
 from shoal.group.topology import Topology
@@ -70,8 +73,13 @@ class LoadReport:
     """Whether the checkpoint is committed (B4) on the shared tier."""
     complete: bool = False
     """Whether the job read every item of the checkpoint (not a partial load)."""
-    broadcast_bytes: int = 0
-    """Of ``fabric_bytes``, those received by broadcast (chunks every rank needed)."""
+    relayed_bytes: int = 0
+    """Of ``fabric_bytes``, those a rank of the receiver's own host forwarded (a chunk crosses
+    to each host that needs it once, then spreads inside the host)."""
+    read_seconds: float = 0.0
+    """The slowest rank's time reading its chunks (repairs included)."""
+    exchange_seconds: float = 0.0
+    """The slowest rank's time in the exchange over the fabric (after its reads)."""
 
     @property
     def shared_bytes(self) -> int:
@@ -82,7 +90,9 @@ class LoadReport:
 class _Stats:
     by_tier: dict[str, int] = field(default_factory=dict)
     fabric: int = 0
-    broadcast: int = 0
+    relayed: int = 0
+    seconds: tuple[float, float] = (0.0, 0.0)
+    """This rank's seconds reading (with repairs) and in the exchange."""
     repaired: int = 0
 
 
@@ -206,8 +216,11 @@ class Restore:
             plan = self._agree_plan(dests, problem)  # R3, R4
             places = self._places(dests)
             held: dict[str, memoryview] = {}
+            t0 = time.perf_counter()
             reader_of = self._read_rounds(plan, places, held)  # read, R5, R4'
+            t1 = time.perf_counter()
             error = self._exchange(reader_of, places, held)
+            self._stats.seconds = (t1 - t0, time.perf_counter() - t1)
             return self._finish(error)  # R6
 
     def _agree_plan(self, dests: Mapping[str, memoryview], problem: str | None) -> ReadPlan:
@@ -274,7 +287,14 @@ class Restore:
         manifest, choice = self.manifest, self.choice
         assert manifest is not None and choice is not None
         stats = self.ctx.fabric.all_gather(
-            (self._stats.by_tier, self._stats.fabric, self._stats.repaired, error, self._stats.broadcast)
+            (
+                self._stats.by_tier,
+                self._stats.fabric,
+                self._stats.repaired,
+                error,
+                self._stats.relayed,
+                self._stats.seconds,
+            )
         )  # R6
         errors = [f"rank {r}: {s[3]}" for r, s in enumerate(stats) if s[3]]
         if errors:
@@ -293,6 +313,8 @@ class Restore:
             choice.committed,
             self._complete,
             sum(s[4] for s in stats),
+            max(s[5][0] for s in stats),
+            max(s[5][1] for s in stats),
         )
         return self.report
 
@@ -474,36 +496,19 @@ class Restore:
         return failed
 
     # -- the exchange ------------------------------------------------------------------------
-    def _broadcasts(
-        self,
-        chunks: list[tuple[int, str]],
-        places: Mapping[str, list[memoryview]],
-        held: dict[str, memoryview],
-    ) -> str | None:
-        """Broadcast each ``(reader, digest)`` from its reader; verify and place it elsewhere."""
-        if not chunks:
-            return None
-        size = max(places[d][0].nbytes for _, d in chunks)
-        scratch = bytearray(size)
-        error: str | None = None
-        for src, d in chunks:
-            view = self.ctx.fabric.broadcast_chunk(src, held.get(d), scratch, places[d][0].nbytes)
-            if src != self.rank and error is None:
-                error = self._accept(d, view, places, f"by broadcast from rank {src}")
-                self._stats.broadcast += 0 if error else view.nbytes
-        return error
-
     def _accept(
         self, d: str, view: memoryview, places: Mapping[str, list[memoryview]], how: str
     ) -> str | None:
-        """Verify a chunk that arrived ``how``; place it, or return what was wrong with it."""
+        """Verify a chunk that arrived ``how`` (in ``view``, its first place or a buffer); place it
+        everywhere else, or return what was wrong with it."""
         step = self.manifest.step if self.manifest is not None else "?"
         try:
             verify(view, d, lambda: f"step {step}: chunk {d} arrived {how}")
         except ChecksumMismatch as e:
             return str(e)
         for p in places[d]:
-            p[:] = view
+            if p is not view:
+                p[:] = view
         self._stats.fabric += view.nbytes
         return None
 
@@ -513,46 +518,38 @@ class Restore:
         places: Mapping[str, list[memoryview]],
         held: dict[str, memoryview],
     ) -> str | None:
-        """Send what this rank read to every rank that needs it; receive and verify what it needs.
+        """Send what this rank read to every rank that needs it; receive, verify and relay the rest.
 
-        Returns the error that spoiled a received chunk, if any (after the exchange finished).
+        The plan (:func:`~shoal.group.exchange.plan_exchange`) sends each chunk once to every
+        other host that needs it; that host's relay forwards it inside the host. Every receive
+        is posted at once, straight into its destination; each chunk is verified before it is
+        used or placed elsewhere. A relay forwards what it received even when it failed to
+        verify: its receivers verify it too, and none is left waiting. Returns the error that
+        spoiled a received chunk, if any (after the exchange finished).
         """
         ctx = self.ctx
         if ctx.fabric.world_size == 1:
             return None
-        # Every rank computes the same deliveries from the same (agreed) readers and needs.
+        # Every rank computes the same plan from the same (agreed) readers and needs.
         manifest = self.manifest
         assert manifest is not None
         needs_all = [sorted({d for k in keys for d in manifest.items[k].chunks}) for keys in self._needs]
-        wanted: dict[str, int] = {}
-        for digests in needs_all:
-            for d in digests:
-                wanted[d] = wanted.get(d, 0) + 1
-        world = ctx.fabric.world_size
-        # Chunks every rank needs travel by broadcast, in an order every rank computes alike.
-        everyone = sorted((reader_of[d], d) for d, n in wanted.items() if n == world and world > 2)
-        error = self._broadcasts(everyone, places, held)
-        broadcast = {d for _, d in everyone}
-        sends: dict[int, list[str]] = {}
-        receives: dict[int, list[str]] = {}
-        for rank, digests in enumerate(needs_all):
-            for d in digests:
-                src = reader_of[d]
-                if src == rank or d in broadcast:
-                    continue
-                if src == self.rank:
-                    sends.setdefault(rank, []).append(d)
-                if rank == self.rank:
-                    receives.setdefault(src, []).append(d)
-        works = ctx.fabric.post_sends([(dst, [held[d] for d in ds]) for dst, ds in sorted(sends.items())])
-        size = max((places[d][0].nbytes for ds in receives.values() for d in ds), default=0)
-        scratch = bytearray(max(size, 1))
-        order = sorted(receives.items())
-        stream = ctx.fabric.receive([(src, [places[d][0].nbytes for d in ds]) for src, ds in order], scratch)
-        expected = [d for _, ds in order for d in ds]
-        for d, view in zip(expected, stream, strict=True):
+        plan = plan_exchange(reader_of, needs_all, ctx.topology.rank_hosts)
+        me = self.rank
+        incoming = plan.incoming_at(me)
+        receives = ctx.fabric.post_receives([(x.src, places[x.digest][0]) for x in incoming])
+        works = ctx.fabric.post_sends([(x.dst, [held[x.digest]]) for x in plan.sends_at(me)])
+        forwards = plan.forwards_at(me)
+        error: str | None = None
+        for x, work in zip(incoming, receives, strict=True):
+            work.wait()
+            view = places[x.digest][0]
+            if x.digest in forwards:
+                works += ctx.fabric.post_sends([(dst, [view]) for dst in forwards[x.digest]])
             if error is None:  # after an error, keep receiving so the senders can finish
-                error = self._accept(d, view, places, "over the fabric")
+                how = f"from rank {x.src}" + (" (relayed within the host)" if x.relayed else "")
+                error = self._accept(x.digest, view, places, how)
+                self._stats.relayed += view.nbytes if x.relayed and error is None else 0
         ctx.fabric.wait_all(works)
         return error
 

@@ -133,6 +133,20 @@ class Fabric:
             for view in views
         ]
 
+    def post_receives(self, receives: Sequence[tuple[int, memoryview]]) -> list[Any]:
+        """Post a receive for each ``(src rank, buffer)`` without waiting; return the works, in order.
+
+        Each chunk lands straight in its buffer (it must be writable and stay untouched until
+        its work's ``wait()`` returns). Messages from one rank match these in the order posted,
+        after any receive posted before; both sides know the lengths, so no headers travel.
+        """
+        if receives and self.group is None:
+            raise RuntimeError("a one-rank fabric has no peers to receive chunks from")
+        return [
+            dist.irecv(torch.frombuffer(buf, dtype=torch.uint8), src=src, group=self.group)
+            for src, buf in receives
+        ]
+
     def receive(
         self, receives: Sequence[tuple[int, Sequence[int]]], scratch: bytearray
     ) -> Iterator[memoryview]:
@@ -149,24 +163,6 @@ class Fabric:
                 buf = torch.frombuffer(scratch, dtype=torch.uint8, count=n)
                 dist.recv(buf, src=src, group=self.group)
                 yield memoryview(scratch)[:n]
-
-    def broadcast_chunk(
-        self, src: int, view: memoryview | None, scratch: bytearray, nbytes: int
-    ) -> memoryview:
-        """Collective: rank ``src`` sends ``view`` (``nbytes``) to every rank; the others receive it
-        into ``scratch`` and get a view of it (valid until the next call). One chunk, one call:
-        for bytes every rank needs (N replicas loading one model), where the backend can do
-        better than N-1 point-to-point sends."""
-        if self.group is None:
-            assert view is not None
-            return view
-        if self.rank == src:
-            assert view is not None and view.nbytes == nbytes
-            dist.broadcast(torch.frombuffer(view, dtype=torch.uint8), src=src, group=self.group)
-            return view
-        buf = torch.frombuffer(scratch, dtype=torch.uint8, count=nbytes)
-        dist.broadcast(buf, src=src, group=self.group)
-        return memoryview(scratch)[:nbytes]
 
     @staticmethod
     def wait_all(works: Sequence[Any]) -> None:

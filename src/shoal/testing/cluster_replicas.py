@@ -241,7 +241,9 @@ def shoal_replicas(
             return {
                 "bytes_by_tier": dict(report.bytes_by_tier),
                 "fabric_bytes": report.fabric_bytes,
-                "broadcast_bytes": report.broadcast_bytes,
+                "relayed_bytes": report.relayed_bytes,
+                "read_seconds": report.read_seconds,
+                "exchange_seconds": report.exchange_seconds,
                 "origin": report.origin,
             }
 
@@ -304,7 +306,9 @@ def load_metrics(
     ``seconds``; ``storage``: bytes the hosts' storage NICs received, per host; ``fabric``: per
     host, the busier direction of its fabric link; ``storage_fraction``: all the storage bytes
     over the seconds, as a share of the aggregate storage rate (``storage_mbit``); ``fabric_fraction``:
-    the busiest host's fabric bytes over the seconds, as a share of one fabric link (``fabric_mbit``).
+    the busiest host's fabric bytes over the seconds, as a share of one fabric link (``fabric_mbit``);
+    with shoal's load reports, ``exchange_seconds`` (median) and ``exchange_fraction``, the same
+    bytes over the exchange alone (the part of the load that uses the fabric).
     """
     if not loads:
         raise ValueError("no timed loads to summarise")
@@ -315,10 +319,16 @@ def load_metrics(
         statistics.median(max(x["hosts"][h]["fabric_tx"], x["hosts"][h]["fabric_rx"]) for x in loads)
         for h in range(n_hosts)
     ]
-    return {
+    out: dict[str, Any] = {
         "seconds": seconds,
         "storage": storage,
         "fabric": fabric,
         "storage_fraction": link_fraction(sum(storage), seconds, storage_mbit),
         "fabric_fraction": link_fraction(max(fabric), seconds, fabric_mbit),
     }
+    exchanges = [float(x["report"].get("exchange_seconds", 0.0)) for x in loads if x.get("report")]
+    exchange = statistics.median(exchanges) if exchanges else 0.0
+    if exchange > 0:
+        out["exchange_seconds"] = exchange
+        out["exchange_fraction"] = link_fraction(max(fabric), exchange, fabric_mbit)
+    return out

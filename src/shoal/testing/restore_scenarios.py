@@ -67,7 +67,7 @@ def load_one_model(rank: int, world: int, *, root: str) -> dict[str, Any]:
         "step": step,
         "by_tier": dict(report.bytes_by_tier),
         "fabric": report.fabric_bytes,
-        "broadcast": report.broadcast_bytes,
+        "relayed": report.relayed_bytes,
         "unique_bytes": sum(unique.values()),
     }
 
