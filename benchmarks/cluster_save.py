@@ -52,9 +52,11 @@ ABLATIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("shoal, balanced export off", SHOAL, {"config": {"balance_drain": False}}),
     ("shoal, staging off", SHOAL, {"blocking": True, "config": {"path": "direct"}}),
 )
-"""Each switches one of shoal's mechanisms off: every rank's model copy made its own (each rank
-writes its whole state), the drain not balanced over the hosts (the lowest rank holding a chunk
-drains it), and no staging (the save waits for B4 on the direct path, as a synchronous writer)."""
+"""Each switches one of shoal's mechanisms off: dedup (every rank's model copy made its own, in
+name and bytes, so neither DCP's dedup by name nor shoal's by content finds anything: each rank
+writes its whole state), the balanced export (``Config.balance_drain=False``: a replicated item
+or chunk is written by the lowest rank holding it, in DCP's planning stage and in shoal's
+planner alike), and staging (the save waits for B4 on the direct path, as a synchronous writer)."""
 CPU_BOUND = 0.9
 """Above this share of every core busy (or of one core for moto's process) the CPU, not the links, bounds."""
 

@@ -114,8 +114,8 @@ class _PlanCache:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     local: tuple[tuple[Any, ...], bool, dict[str, Any], SavePlan] | None = None
     """(layout signature, is_coordinator, flattening mappings, the plan)."""
-    global_: tuple[list[SavePlan], list[SavePlan], Metadata] | None = None
-    """(the local plans it was made from, the global plans, the metadata)."""
+    global_: tuple[list[SavePlan], list[SavePlan], Metadata, bool] | None = None
+    """(the local plans it was made from, the global plans, the metadata, ``balance``)."""
     hits: int = 0
 
 
@@ -127,10 +127,15 @@ class SavePlanner(DefaultSavePlanner):
     balances them per *host* first (each host drains through one storage NIC),
     then per rank within the host, longest item first. The host of each rank's
     plan comes from shoal's :class:`StorageWriter` (``prepare_local_plan``); with
-    another writer every rank counts as its own host.
+    another writer every rank counts as its own host. ``balance=False`` gives each such item to
+    the lowest rank holding it instead (``Config.balance_drain``: for measuring the balance).
     """
 
     _cache = _PlanCache()
+
+    def __init__(self, *args: Any, balance: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.balance = balance
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan, the one made last time when the layout is the same (keys, dtypes,
@@ -166,13 +171,13 @@ class SavePlanner(DefaultSavePlanner):
         cache = SavePlanner._cache
         with cache.lock:
             hit = cache.global_
-        if hit is not None and _same_plans(hit[0], all_plans):
+        if hit is not None and hit[3] == self.balance and _same_plans(hit[0], all_plans):
             self.global_plan, self.metadata = hit[1], hit[2]
             cache.hits += 1
             return self.global_plan, self.metadata
         global_plan, metadata = super().create_global_plan(all_plans)
         with cache.lock:
-            cache.global_ = (all_plans, global_plan, metadata)
+            cache.global_ = (all_plans, global_plan, metadata, self.balance)
         return global_plan, metadata
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
@@ -198,6 +203,9 @@ class SavePlanner(DefaultSavePlanner):
                 rank_load[plans[0]] += size[index]
         shared = sorted((ix for ix, ps in holders.items() if len(ps) > 1), key=lambda ix: (-size[ix], ix.fqn))
         for index in shared:
+            if not self.balance:
+                keep[index] = min(holders[index])
+                continue
             chosen = min(holders[index], key=lambda i: (host_load[hosts[i]], rank_load[i], i))
             keep[index] = chosen
             host_load[hosts[chosen]] += size[index]

@@ -176,7 +176,7 @@ def _dcp_save(state: Mapping[str, Any], writer: shoal_dcp.StorageWriter, *, no_d
     """
     from torch.distributed.checkpoint import logger as dcp_logging
 
-    planner = shoal_dcp.SavePlanner()
+    planner = shoal_dcp.SavePlanner(balance=writer.checkpointer.runtime.config.balance_drain)
     direct = _dcp_save_state_dict()
     logger = getattr(dcp_logging, "_dcp_logger", None)
     if direct is None or not isinstance(logger, logging.Logger) or not _records_go_nowhere(logger):

@@ -95,9 +95,10 @@ class _Window:
 
 
 def _distinct(state: dict[str, Any], rank: int) -> None:
-    """Make this rank's copy of the model its own (every chunk differs from every other rank's)."""
-    for t in state["model"].values():
-        t.add_(float(rank) * 1e-3)
+    """Make this rank's copy of the model its own: its names carry the rank (DCP then writes every
+    rank's, as it does for anything not held under one name) and every chunk's bytes differ from
+    every other rank's (nothing for shoal's content dedup either)."""
+    state["model"] = {f"r{rank}.{k}": t.add_(float(rank) * 1e-3) for k, t in state["model"].items()}
 
 
 def _pack_window(event_log: str | None, rank: int, steps: range) -> list[list[float] | None]:
@@ -139,7 +140,8 @@ def shoal_bench(
 
     ``config`` overrides :func:`~shoal.testing.cluster_scenarios.cluster_config`'s settings.
     The switches of the ablations: ``distinct_model`` gives every rank its own copy of the model
-    (nothing to deduplicate: each rank writes its whole state, as a writer without dedup does);
+    under its own names (nothing to deduplicate: each rank writes its whole state, as a writer
+    without dedup does);
     ``blocking`` counts the wait for B4 as stall (no staging: training waits for the write).
     Also returns each timed step's drain window (``packs``: this rank's first pack start, last
     pack end and pack bytes, on the machine's monotonic clock, the same in every namespace).
