@@ -128,7 +128,7 @@ def _table(results: dict[tuple[int, str], Any], spec: ClusterSpec, replicas: lis
 
 def _exchange(m: dict[str, Any]) -> str:
     """The exchange's seconds and its share of the busiest fabric link, where there was one."""
-    if "exchange_seconds" not in m or not max(m["fabric"]):
+    if "exchange_seconds" not in m or max(m["fabric"]) < MIB:  # no exchange (a few stray packets)
         return ""
     return f"{m['exchange_seconds']:.2f} ({m['exchange_fraction']:.2f})"
 
