@@ -28,7 +28,6 @@ import os
 import secrets
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,13 +52,6 @@ def parse_shape(text: str) -> tuple[int, int]:
     if not sep or not hosts.isdigit() or not per_host.isdigit() or int(hosts) < 1 or int(per_host) < 1:
         raise argparse.ArgumentTypeError(f"a shape is HOSTSxRANKS_PER_HOST (e.g. 4x2), not {text!r}")
     return int(hosts), int(per_host)
-
-
-def _moto_pid(cluster: Cluster) -> int | None:
-    out = subprocess.run(
-        ["ip", "netns", "pids", cluster.ns("st")], capture_output=True, text=True, check=False
-    ).stdout.split()
-    return int(out[0]) if len(out) == 1 else None
 
 
 def _loadavg() -> str:
@@ -115,7 +107,7 @@ def run_shape(args: argparse.Namespace, hosts: int, per_host: int) -> dict[str, 
                 "tensors": args.tensors,
                 "kib": args.kib,
                 "settle": not args.no_settle,
-                "moto_pid": _moto_pid(cluster),
+                "moto_pid": cluster.s3_pid(),
             }
             ranks = cluster.run_ranks("shoal.testing.cluster_coord:coord_bench", per_host, job, timeout=900)
     finally:

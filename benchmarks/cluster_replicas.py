@@ -30,7 +30,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,13 +47,6 @@ CONTENDERS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("DCP", "dcp_replicas", {}),
 )
 TIMEOUT_S = 600.0
-
-
-def _moto_pid(cluster: Cluster) -> int | None:
-    out = subprocess.run(
-        ["ip", "netns", "pids", cluster.ns("st")], capture_output=True, text=True, check=False
-    ).stdout.split()
-    return int(out[0]) if len(out) == 1 else None
 
 
 @contextlib.contextmanager
@@ -90,7 +82,7 @@ def _measure(args: argparse.Namespace, spec: ClusterSpec, replicas: list[int]) -
             cluster.run_ranks(
                 f"{SCENARIOS}:setup_replicas", 1, {"bucket": bucket, **model, **roots}, timeout=TIMEOUT_S
             )
-        common = {"bucket": bucket, "loads": args.loads, "moto_pid": _moto_pid(cluster), **model}
+        common = {"bucket": bucket, "loads": args.loads, "moto_pid": cluster.s3_pid(), **model}
         for n in replicas:
             for name, scenario, extra in CONTENDERS:
                 t0 = time.monotonic()

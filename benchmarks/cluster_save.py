@@ -32,7 +32,6 @@ import os
 import secrets
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from typing import Any
@@ -59,13 +58,6 @@ or chunk is written by the lowest rank holding it, in DCP's planning stage and i
 planner alike), and staging (the save waits for B4 on the direct path, as a synchronous writer)."""
 CPU_BOUND = 0.9
 """Above this share of every core busy (or of one core for moto's process) the CPU, not the links, bounds."""
-
-
-def _moto_pid(cluster: Cluster) -> int | None:
-    out = subprocess.run(
-        ["ip", "netns", "pids", cluster.ns("st")], capture_output=True, text=True, check=False
-    ).stdout.split()
-    return int(out[0]) if len(out) == 1 else None
 
 
 def _med(xs: list[float]) -> float:
@@ -123,7 +115,7 @@ def _measure(args: argparse.Namespace, spec: ClusterSpec) -> dict[str, dict[str,
                 "saves": args.saves,
                 "model_mib": args.model_mib,
                 "shard_mib": args.shard_mib,
-                "moto_pid": _moto_pid(cluster),
+                "moto_pid": cluster.s3_pid(),
             }
             for i, (name, scenario, extra) in enumerate(contenders):
                 kwargs = {**common, **extra}

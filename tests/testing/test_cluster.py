@@ -58,6 +58,10 @@ def test_hosts_reach_s3_over_their_own_storage_nic_and_nothing_is_left() -> None
                 assert "tbf" in shown and f"rate {rate}" in shown, shown
         made = cluster.run_on(0, [sys.executable, "-c", MAKE_BUCKET, "cluster-test"])
         assert made.returncode == 0, made.stderr
+        pid = cluster.s3_pid()  # the S3 server, the one process of the storage namespace
+        assert pid is not None
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert b"moto" in f.read()
         before = [cluster.counters(i) for i in range(2)]
         sizes = [3 * MIB, 1 * MIB]
         for i, n in enumerate(sizes):

@@ -151,23 +151,7 @@ class Runtime:
             )
         self.events = EventLog(cfg.event_log, host=self.host, rank=self.rank)
         fabric = Fabric.create(cfg.collective_timeout)
-        context = PipelineContext(
-            fabric=fabric,
-            topology=self.topology,
-            shared=self.shared,
-            host_tier=host_tier,
-            chunk_size=cfg.chunk_size,
-            replicate=replicate,
-            events=self.events,
-            hasher=Hasher(cfg.hash_threads),
-            dcp_timeout=cfg.collective_timeout,
-            dram=self.dram,
-            run_id=run,
-            path_policy=self.path_policy,
-            drain_streams=cfg.drain_streams,
-            drain_pack_bytes=cfg.drain_pack_bytes,
-            balance_drain=cfg.balance_drain,
-        )
+        context = self._pipeline_context(cfg, fabric, host_tier, replicate=replicate)
         if host_tier is not None and context.is_host_leader:
             context.host_catalog = ChunkCatalog.scan(host_tier, committed_only=False)
         self._pipeline = Pipeline(context, self._ring, keep_last=cfg.keep_last)
@@ -192,6 +176,28 @@ class Runtime:
         """Decisions every rank reads without a collective (the gates of saves through DCP)."""
         self._dcp_saves = 0
         self._dcp_loads = 0
+
+    def _pipeline_context(
+        self, cfg: Config, fabric: Fabric, host_tier: Tier | None, *, replicate: bool
+    ) -> PipelineContext:
+        """What the save protocol runs with on this rank (``_open``, once the run is agreed on)."""
+        return PipelineContext(
+            fabric=fabric,
+            topology=self.topology,
+            shared=self.shared,
+            host_tier=host_tier,
+            chunk_size=cfg.chunk_size,
+            replicate=replicate,
+            events=self.events,
+            hasher=Hasher(cfg.hash_threads),
+            dcp_timeout=cfg.collective_timeout,
+            dram=self.dram,
+            run_id=self.run_id,
+            path_policy=self.path_policy,
+            drain_streams=cfg.drain_streams,
+            drain_pack_bytes=cfg.drain_pack_bytes,
+            balance_drain=cfg.balance_drain,
+        )
 
     def _claim_host(self, cfg: Config) -> tuple[list[str], dict[str, str]]:
         """Collective: take this rank's lock; learn every rank's host, domain and host runs.

@@ -339,6 +339,13 @@ class Cluster:
             check=False,
         )
 
+    def s3_pid(self) -> int | None:
+        """The S3 server's pid (the one process of the storage namespace), or None if it is not one."""
+        out = subprocess.run(
+            ["ip", "netns", "pids", self.ns("st")], capture_output=True, text=True, check=False
+        ).stdout.split()
+        return int(out[0]) if len(out) == 1 else None
+
     def counters(self, i: int) -> LinkCounters:
         """Bytes through host ``i``'s storage NIC and fabric link (both directions)."""
         stats = {}
@@ -412,18 +419,7 @@ class Cluster:
                         start_new_session=True,
                     )
                     procs.append(launcher)
-            deadline = time.monotonic() + timeout
-            until: float | None = None  # once a rank failed: when the others are stopped
-            while any(p.poll() is None for p in procs):
-                now = time.monotonic()
-                if until is None and (any(p.returncode for p in procs) or _a_rank_failed(out, world)):
-                    until = now + grace_s
-                if now > deadline:
-                    timed_out = True
-                    break
-                if until is not None and now > until:
-                    break
-                time.sleep(0.2)
+            timed_out = _wait_for_ranks(procs, out, world, timeout, grace_s)
         finally:
             _stop_launchers(procs)
             for p in procs:
@@ -437,6 +433,24 @@ class Cluster:
         if failures:
             raise RankFailed("\n".join(failures) + logs)
         return [results[r] for r in range(world)]
+
+
+def _wait_for_ranks(
+    procs: Sequence[subprocess.Popen[bytes]], out: str, world: int, timeout: float, grace_s: float
+) -> bool:
+    """Wait until every launcher exited, or ``grace_s`` after the first failure; True on a timeout."""
+    deadline = time.monotonic() + timeout
+    until: float | None = None  # once a rank failed: when the others are stopped
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if until is None and (any(p.returncode for p in procs) or _a_rank_failed(out, world)):
+            until = now + grace_s
+        if now > deadline:
+            return True
+        if until is not None and now > until:
+            return False
+        time.sleep(0.2)
+    return False
 
 
 def _stop_launchers(procs: Sequence[subprocess.Popen[bytes]]) -> None:

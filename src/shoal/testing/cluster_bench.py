@@ -31,7 +31,7 @@ from shoal.engine.events import WriterRecord, read_events
 from shoal.testing.cluster_scenarios import cluster_config, cluster_state
 from shoal.testing.s3 import S3Admin, s3_storage_options
 
-__all__ = ["async_save_bench", "cpu_seconds", "dcp_save_bench", "shoal_bench"]
+__all__ = ["CpuWindow", "async_save_bench", "cpu_seconds", "dcp_save_bench", "shoal_bench"]
 
 WAIT_S = 300.0
 
@@ -72,8 +72,11 @@ def _prepare(rank: int, bucket: str, model_mib: int, shard_mib: float) -> dict[s
     return cluster_state(rank, model_mib=model_mib, shard_mib=shard_mib)
 
 
-class _Window:
-    """Rank 0's wall and CPU clock over the timed saves (between two barriers)."""
+class CpuWindow:
+    """Rank 0's wall and CPU clock (the machine's, and the S3 server's) between two barriers.
+
+    ``start`` and ``stop`` are collective; ``stop`` adds ``window_s``, ``cpu_busy_s`` and
+    ``moto_cpu_s`` to rank 0's result."""
 
     def __init__(self, rank: int, moto_pid: int | None) -> None:
         self.rank, self.moto_pid = rank, moto_pid
@@ -151,7 +154,7 @@ def shoal_bench(
         _distinct(state, rank)
     cfg = cluster_config(bucket=bucket, dram_root=dram_root, local_root=local_root, **(config or {}))
     out: dict[str, Any] = {"rank": rank, "stall": [], "times": []}
-    window = _Window(rank, moto_pid)
+    window = CpuWindow(rank, moto_pid)
     with Checkpointer(cfg) as ckpt:
         for step in range(saves + 1):
             _mutate(state)
@@ -196,7 +199,7 @@ def _dcp_bench(
     start to the end of its stall and to completion (None: synchronous, the stall is the whole save)."""
     state = _prepare(rank, bucket, model_mib, shard_mib)
     out: dict[str, Any] = {"rank": rank, "stall": [], "complete": []}
-    window = _Window(rank, moto_pid)
+    window = CpuWindow(rank, moto_pid)
     for step in range(saves + 1):
         _mutate(state)
         if step == 1:

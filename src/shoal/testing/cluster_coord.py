@@ -44,7 +44,7 @@ from torch.futures import Future
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.engine.events import monotonic, read_events
-from shoal.testing.cluster_bench import cpu_seconds
+from shoal.testing.cluster_bench import CpuWindow
 from shoal.testing.cluster_scenarios import cluster_config
 from shoal.testing.s3 import S3Admin, s3_storage_options
 
@@ -216,34 +216,12 @@ class TimedFsspecWriter(FsspecWriter):
         self.stamps["finish_end"] = time.perf_counter()
 
 
-class _CpuWindow:
-    """Rank 0's wall and CPU clock over one contender's timed saves (between two barriers)."""
-
-    def __init__(self, rank: int, moto_pid: int | None) -> None:
-        self.rank, self.moto_pid = rank, moto_pid
-        self.t0 = 0.0
-        self.cpu0 = (0.0, 0.0)
-
-    def start(self) -> None:
-        dist.barrier()
-        self.t0 = time.perf_counter()
-        self.cpu0 = cpu_seconds(self.moto_pid)
-
-    def stop(self, out: dict[str, Any]) -> None:
-        dist.barrier()
-        if self.rank == 0:
-            busy, moto = cpu_seconds(self.moto_pid)
-            out["window_s"] = time.perf_counter() - self.t0
-            out["cpu_busy_s"] = busy - self.cpu0[0]
-            out["moto_cpu_s"] = moto - self.cpu0[1]
-
-
 def _mutate(state: Mapping[str, torch.Tensor]) -> None:
     for t in state.values():
         t.add_(1.0)
 
 
-def _start_save(step: int, window: _CpuWindow, state: Mapping[str, torch.Tensor]) -> None:
+def _start_save(step: int, window: CpuWindow, state: Mapping[str, torch.Tensor]) -> None:
     """Before save ``step``: change every tensor, then line the ranks up (step 1 opens the window)."""
     _mutate(state)
     if step == 1:
@@ -256,7 +234,7 @@ def _shoal_run(
     rank: int,
     state: Mapping[str, torch.Tensor],
     saves: int,
-    window: _CpuWindow,
+    window: CpuWindow,
     settle: bool,
     **cfg_args: Any,
 ) -> dict[str, Any]:
@@ -296,7 +274,7 @@ def _shoal_run(
 
 
 def _dcp_run(
-    bucket: str, state: Mapping[str, torch.Tensor], saves: int, window: _CpuWindow, *, asynchronous: bool
+    bucket: str, state: Mapping[str, torch.Tensor], saves: int, window: CpuWindow, *, asynchronous: bool
 ) -> dict[str, Any]:
     """``saves`` timed ``dcp.save`` (or ``dcp.async_save``) calls after a warm-up, each to its own prefix."""
     opts = s3_storage_options(os.environ["SHOAL_S3_ENDPOINT"])
@@ -334,7 +312,7 @@ def _shoal_contender(
     local_root: str,
     path: str,
     settle: bool,
-    window: _CpuWindow,
+    window: CpuWindow,
 ) -> dict[str, Any]:
     """shoal with durability path ``path``: its own job, S3 prefix and host tier roots."""
     return _shoal_run(
@@ -390,7 +368,7 @@ def coord_bench(
     _prepare_bucket(rank, bucket)
     state = tiny_state(rank, tensors=tensors, kib=kib)
     out: dict[str, Any] = {"rank": rank, "world": world}
-    runs: dict[str, Callable[[_CpuWindow], dict[str, Any]]] = {
+    runs: dict[str, Callable[[CpuWindow], dict[str, Any]]] = {
         "dcp.save": lambda w: _dcp_run(bucket, state, saves, w, asynchronous=False),
         "dcp.async_save": lambda w: _dcp_run(bucket, state, saves, w, asynchronous=True),
     }
@@ -401,5 +379,5 @@ def coord_bench(
     for name in contenders:
         if name not in runs:
             raise ValueError(f"unknown contender {name!r}: expected one of {', '.join(CONTENDERS)}")
-        out[name] = runs[name](_CpuWindow(rank, moto_pid))
+        out[name] = runs[name](CpuWindow(rank, moto_pid))
     return out
