@@ -1,0 +1,315 @@
+"""Per-writer time on a tier, and the slowest of a checkpoint's writers (DESIGN.md section 7).
+
+The model, for writer ``i`` of checkpoint ``j`` writing ``S_ij`` bytes with ``N_j`` writers::
+
+    m_ij  = ln(S_ij / b_eff(N_j)),   b_eff(N) = min(b_client, b_shared / N)
+    ln T_ij = m_ij + g_j + e_ij      (lognormal writers: e_ij ~ N(0, sigma^2))
+    T_ij | g_j ~ Gamma(k, exp(m_ij + g_j) / k),  k = 1 / sigma^2      (gamma writers)
+    g_j ~ N(0, tau^2), shared by the writers of one checkpoint
+
+``b_client`` is one writer's own ceiling (its NIC, its client); ``b_shared`` is what the tier
+gives all writers together, ``B (1 - rho)`` for a tier of bandwidth ``B`` under background load
+``rho``: from a job's own records the two are one number, which is all a production run can
+see. ``g`` is the state one checkpoint's writers share (the tier's weather at that moment);
+``e`` is each writer's own luck. For lognormal writers ``sigma`` is the spread of ``ln T`` given
+``g``; for gamma writers it is the coefficient of variation of ``T`` given ``g``.
+
+:func:`fit_writers` fits ``(b_client, b_shared, sigma, tau)`` by maximum likelihood, with ``g``
+integrated out checkpoint by checkpoint (in closed form for lognormal writers, numerically for
+gamma ones); :func:`choose_family` fits both and keeps the one with the lower BIC. A
+:class:`WriterFit` predicts, for any ``N``, ``S`` and :class:`TierState`, the typical (median)
+writer and the quantiles of the slowest of ``N`` writers:
+``P(max_i T_i <= t) = E_g[prod_i F_i(t | g)]``, integrated over ``g`` on a fine grid.
+
+Pure: numpy and scipy over plain numbers; no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import optimize, special, stats
+
+from shoal.errors import ConfigError
+
+__all__ = ["FAMILIES", "TierState", "WriterFit", "WriterSample", "choose_family", "fit_writers"]
+
+FAMILIES = ("lognormal", "gamma")
+"""The per-writer families :func:`fit_writers` knows."""
+
+_G_POINTS = 1201
+"""Grid points over g for the slowest writer's distribution (+- 8 tau): smooth to well under 1%."""
+_GAMMA_POINTS = 81
+"""Grid points per checkpoint for the gamma family's likelihood (around each checkpoint's mode)."""
+
+
+@dataclass(frozen=True)
+class WriterSample:
+    """One writer's write of one checkpoint to a tier, as the event records give it."""
+
+    checkpoint: int
+    """Which checkpoint: its writers share ``g``."""
+    nbytes: int
+    seconds: float
+    writers: int
+    """How many writers that checkpoint had on the tier at once (``concurrency``)."""
+    t: float = 0.0
+    """When it ended (any clock): the order of a forward split."""
+
+
+@dataclass(frozen=True)
+class TierState:
+    """What a prediction assumes of the tier now."""
+
+    b_shared: float
+    """Bytes per second the tier gives all writers together now, ``B (1 - rho)``."""
+
+
+@dataclass(frozen=True)
+class _Data:
+    """Samples as arrays, grouped by checkpoint (rows sorted by group)."""
+
+    nbytes: np.ndarray
+    seconds: np.ndarray
+    writers: np.ndarray
+    group: np.ndarray
+    """Row -> group index 0..G-1."""
+    starts: np.ndarray
+    """Group g's rows: starts[g]:starts[g+1]."""
+
+    @classmethod
+    def of(cls, samples: Sequence[WriterSample]) -> _Data:
+        if not samples:
+            raise ConfigError("fit_writers needs at least one writer sample, got none")
+        for s in samples:
+            if not (s.nbytes > 0 and s.seconds > 0 and s.writers >= 1):
+                raise ConfigError(f"writer sample {s}: nbytes and seconds must be > 0 and writers >= 1")
+        order = sorted(range(len(samples)), key=lambda i: (samples[i].checkpoint, i))
+        ids = [samples[i].checkpoint for i in order]
+        starts = [0] + [k for k in range(1, len(ids)) if ids[k] != ids[k - 1]] + [len(ids)]
+        group = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+        return cls(
+            np.array([samples[i].nbytes for i in order], dtype=float),
+            np.array([samples[i].seconds for i in order], dtype=float),
+            np.array([samples[i].writers for i in order], dtype=float),
+            group,
+            np.array(starts),
+        )
+
+
+def _m(nbytes: np.ndarray, writers: np.ndarray, b_client: float, b_shared: float) -> np.ndarray:
+    """ln(S / b_eff(N)) for every row."""
+    b_eff = np.minimum(b_client, b_shared / writers)
+    return np.log(nbytes) - np.log(b_eff)
+
+
+def _loglik_lognormal(d: _Data, m: np.ndarray, sigma: float, tau: float) -> float:
+    """Closed form: within a checkpoint, ln T - m is normal with covariance sigma^2 I + tau^2 11'."""
+    r = np.log(d.seconds) - m
+    n = np.diff(d.starts).astype(float)
+    sums = np.add.reduceat(r, d.starts[:-1])
+    mean = sums / n
+    ssw = np.add.reduceat(r * r, d.starts[:-1]) - n * mean * mean
+    s2, t2 = sigma * sigma, tau * tau
+    ll = (
+        -0.5 * n * math.log(2 * math.pi)
+        - (n - 1) * math.log(sigma)
+        - 0.5 * np.log(s2 + n * t2)
+        - ssw / (2 * s2)
+        - n * mean * mean / (2 * (s2 + n * t2))
+    )
+    return float(ll.sum() - np.log(d.seconds).sum())
+
+
+def _loglik_gamma(d: _Data, m: np.ndarray, sigma: float, tau: float) -> float:
+    """g integrated out per checkpoint on a grid around the mode of its integrand (all at once)."""
+    k = 1.0 / (sigma * sigma)
+    base = k * math.log(k) - special.gammaln(k) + (k - 1) * np.log(d.seconds) - k * m
+    consts = np.add.reduceat(base, d.starts[:-1])
+    w = np.add.reduceat(d.seconds * np.exp(-m), d.starts[:-1])  # per checkpoint: sum of T e^{-m}
+    n = np.diff(d.starts).astype(float)
+    t2 = tau * tau
+    # The log integrand A(g) = -n k g - k W e^{-g} - g^2 / (2 tau^2) is concave: its mode solves
+    # A'(g) = 0, a convex decreasing function, so Newton's steps close in on it from either side.
+    g = np.log(w / n)
+    for _ in range(60):
+        slope = -n * k + k * w * np.exp(-g) - g / t2
+        g = g + slope / (k * w * np.exp(-g) + 1.0 / t2)
+        if np.all(np.abs(slope) < 1e-10 * (n * k + 1.0)):
+            break
+    sd = 1.0 / np.sqrt(k * w * np.exp(-g) + 1.0 / t2)
+    offsets = np.linspace(-8.0, 8.0, _GAMMA_POINTS)
+    grid = g[:, None] + sd[:, None] * offsets[None, :]
+    a = -n[:, None] * k * grid - k * w[:, None] * np.exp(-grid) - grid * grid / (2 * t2)
+    step = sd * (offsets[1] - offsets[0])
+    per = consts + special.logsumexp(a, axis=1) + np.log(step) - math.log(tau * math.sqrt(2 * math.pi))
+    return float(per.sum())
+
+
+_LOGLIK = {"lognormal": _loglik_lognormal, "gamma": _loglik_gamma}
+
+
+def _starts(d: _Data) -> list[np.ndarray]:
+    """Starting points: b_client from the fewest-writer checkpoints, b_shared from the most-writer ones.
+
+    ``min(b_client, b_shared / N)`` is flat in whichever rate never binds, so one start can
+    settle with ``b_client`` bounding nothing; a few starts with the kink at different writer
+    counts, and the best of them, avoid that.
+    """
+    rate = d.nbytes / d.seconds
+    fewest, most = d.writers.min(), d.writers.max()
+    b_client = float(np.median(rate[d.writers == fewest]))
+    b_shared = float(np.median(rate[d.writers == most] * most))
+    counts = sorted(set(d.writers.tolist()))
+    starts = [np.log([b_client, b_shared, 0.2, 0.2])]
+    for n in counts[:-1]:  # the kink just above each writer count seen
+        starts.append(np.log([b_client, b_client * (n + 0.5), 0.2, 0.2]))
+    starts.append(np.log([b_client * 1e3, b_shared, 0.2, 0.2]))  # b_client never binds
+    return starts
+
+
+def fit_writers(samples: Sequence[WriterSample], family: str = "lognormal") -> WriterFit:
+    """Fit ``b_client``, ``b_shared``, ``sigma`` and ``tau`` to ``samples`` by maximum likelihood.
+
+    ``samples`` should span several checkpoints (``tau`` is the spread between them) and, for
+    ``b_client`` and ``b_shared`` to be told apart, several writer counts: where every sample's
+    writers share the tier evenly the fit cannot see ``b_client`` and puts it high (it then
+    bounds nothing). Raises :class:`~shoal.errors.ConfigError` for an unknown family or bad samples.
+    """
+    if family not in _LOGLIK:
+        raise ConfigError(f"family must be one of {FAMILIES}, got {family!r}")
+    d = _Data.of(samples)
+    loglik = _LOGLIK[family]
+
+    def neg(theta: np.ndarray) -> float:
+        b_client, b_shared, sigma, tau = np.exp(np.clip(theta, -60.0, 60.0))
+        if not (1e-4 < sigma < 20 and 1e-4 < tau < 20):
+            return 1e300
+        value = loglik(d, _m(d.nbytes, d.writers, b_client, b_shared), sigma, tau)
+        return -value if math.isfinite(value) else 1e300
+
+    options = {"maxiter": 4000, "xatol": 1e-8, "fatol": 1e-10}
+    tries = [optimize.minimize(neg, x0, method="Nelder-Mead", options=options) for x0 in _starts(d)]
+    best = min(tries, key=lambda r: float(r.fun))
+    best = optimize.minimize(neg, best.x, method="Nelder-Mead", options=options)  # restart: NM can stall
+    b_client, b_shared, sigma, tau = (float(v) for v in np.exp(best.x))
+    return WriterFit(family, b_client, b_shared, sigma, tau, -float(best.fun), len(d.seconds))
+
+
+def choose_family(samples: Sequence[WriterSample]) -> tuple[WriterFit, Mapping[str, WriterFit]]:
+    """Fit every family of :data:`FAMILIES`; return the one with the lowest BIC, and all of them."""
+    fits = {f: fit_writers(samples, f) for f in FAMILIES}
+    return min(fits.values(), key=lambda f: f.bic), fits
+
+
+@dataclass(frozen=True)
+class WriterFit:
+    """A fitted writer model of one tier; predicts for any writer count, size and tier state."""
+
+    family: str
+    b_client: float
+    """One writer's own ceiling, bytes per second."""
+    b_shared: float
+    """What the tier gave all writers together over the fitted records, ``B (1 - rho)``."""
+    sigma: float
+    tau: float
+    loglik: float
+    n: int
+    """Writer samples fitted."""
+
+    n_params = 4
+
+    @property
+    def bic(self) -> float:
+        return self.n_params * math.log(self.n) - 2.0 * self.loglik
+
+    def state(self) -> TierState:
+        """The tier state of the fitted records."""
+        return TierState(self.b_shared)
+
+    def b_eff(self, writers: int, state: TierState | None = None) -> float:
+        """Each writer's rate with ``writers`` of them: ``min(b_client, b_shared / writers)``."""
+        b_shared = (state or self.state()).b_shared
+        return min(self.b_client, b_shared / writers)
+
+    def _cdf_given_g(self, t: float, m: float, g: np.ndarray) -> np.ndarray:
+        """F(t | g) of one writer whose ``ln(S / b_eff)`` is ``m``, for every g."""
+        if self.family == "lognormal":
+            return np.asarray(stats.norm.cdf((math.log(t) - m - g) / self.sigma))
+        k = 1.0 / (self.sigma * self.sigma)
+        return np.asarray(special.gammainc(k, k * t * np.exp(-(m + g))))
+
+    def _grid(self) -> tuple[np.ndarray, np.ndarray]:
+        g = np.linspace(-8 * self.tau, 8 * self.tau, _G_POINTS)
+        w = stats.norm.pdf(g, scale=self.tau)
+        return g, w / w.sum()
+
+    def slowest_cdf(self, t: float, sizes: Sequence[float], state: TierState | None = None) -> float:
+        """P(the slowest of ``len(sizes)`` writers, of these sizes, ends within ``t`` seconds)."""
+        if t <= 0:
+            return 0.0
+        n = len(sizes)
+        b = self.b_eff(n, state)
+        g, w = self._grid()
+        log_all = np.zeros_like(g)
+        for size in sizes:
+            log_all += np.log(np.clip(self._cdf_given_g(t, math.log(size / b), g), 1e-300, 1.0))
+        return float(np.dot(w, np.exp(log_all)))
+
+    def slowest_quantile(self, q: float, sizes: Sequence[float], state: TierState | None = None) -> float:
+        """The ``q`` quantile of the slowest writer's time (seconds), for writers of ``sizes``."""
+        if not 0 < q < 1:
+            raise ConfigError(f"quantile q must be in (0, 1), got {q!r}")
+        if not sizes or min(sizes) <= 0:
+            raise ConfigError(f"sizes must be positive byte counts, one per writer, got {list(sizes)!r}")
+        return self._invert(
+            lambda t: self.slowest_cdf(t, sizes, state), q, max(sizes) / self.b_eff(len(sizes), state)
+        )
+
+    def writer_quantile(self, q: float, nbytes: float, writers: int, state: TierState | None = None) -> float:
+        """The ``q`` quantile of one writer's time (g and its own luck both unknown)."""
+        if not 0 < q < 1:
+            raise ConfigError(f"quantile q must be in (0, 1), got {q!r}")
+        m = math.log(nbytes / self.b_eff(writers, state))
+        g, w = self._grid()
+        return self._invert(lambda t: float(np.dot(w, self._cdf_given_g(t, m, g))), q, math.exp(m))
+
+    def typical(self, nbytes: float, writers: int, state: TierState | None = None) -> float:
+        """The typical (median) writer's time, seconds."""
+        return self.writer_quantile(0.5, nbytes, writers, state)
+
+    def _invert(self, f: Callable[[float], float], q: float, scale: float) -> float:
+        """The t where the increasing ``f(t) = P(T <= t)`` reaches ``q`` (``scale``: a typical t)."""
+        spread = 8.0 * (self.sigma + self.tau) + 1.0
+        lo, hi = math.log(scale) - spread, math.log(scale) + spread
+        while f(math.exp(hi)) < q:
+            hi += spread
+        while f(math.exp(lo)) > q:
+            lo -= spread
+        return math.exp(optimize.brentq(lambda x: f(math.exp(x)) - q, lo, hi, xtol=1e-10))
+
+    def simulate(
+        self,
+        rng: np.random.Generator,
+        sizes: Sequence[float],
+        checkpoints: int,
+        state: TierState | None = None,
+    ) -> list[WriterSample]:
+        """Draw ``checkpoints`` checkpoints of writers of ``sizes`` from the model (tests, consistency)."""
+        n = len(sizes)
+        m = np.log(np.asarray(sizes, dtype=float) / self.b_eff(n, state))
+        out: list[WriterSample] = []
+        for j in range(checkpoints):
+            g = rng.normal(0.0, self.tau)
+            if self.family == "lognormal":
+                times = np.exp(m + g + rng.normal(0.0, self.sigma, n))
+            else:
+                k = 1.0 / (self.sigma * self.sigma)
+                times = rng.gamma(k, np.exp(m + g) / k)
+            out.extend(
+                WriterSample(j, int(s), float(x), n, float(j)) for s, x in zip(sizes, times, strict=True)
+            )
+        return out
