@@ -20,6 +20,7 @@ from shoal.engine.events import (
     EventLog,
     WriterRecord,
     read_events,
+    writer_samples,
 )
 from shoal.errors import ShoalError
 from shoal.testing import scenarios
@@ -225,3 +226,17 @@ def test_the_documented_example_reads_back_as_typed_records(tmp_path):
     path.write_text(example.group(1))
     kinds = [type(e) for e in read_events(str(path))]
     assert kinds == [WriterRecord, WriterRecord, CheckpointRecord, WriterRecord]
+
+
+def test_the_drain_records_become_the_models_writer_samples(tmp_path, dram_root):
+    config = make_config(tmp_path, dram_root, drain_pack_bytes=128 << 10, drain_streams=2)
+    with shoal.Checkpointer(config) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.randn(128 << 10)}).wait(timeout=60)  # 512 KiB: 4 packs
+        path = ckpt.config.event_log
+    assert path is not None
+    events = read_events(path)
+    samples = writer_samples(events)
+    assert [s.checkpoint for s in samples] == [1] * 4 + [2] * 4
+    assert all(s.nbytes == 128 << 10 and s.seconds > 0 and s.writers == 2 for s in samples)
+    assert writer_samples(events, what="replica", tier="local") == []  # one host: no partner copies

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from shoal.errors import ShoalError
+from shoal.model.writers import WriterSample
 from shoal.tiers.local import open_private
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ __all__ = [
     "WriterRecord",
     "monotonic",
     "read_events",
+    "writer_samples",
 ]
 
 DEFAULT_MAX_BYTES = 64 << 20
@@ -237,6 +239,29 @@ def read_events(path: str, *, kinds: Iterable[str] | None = None, rotated: bool 
         with f:
             events.extend(e for e in _parse(name, f) if wanted is None or e.event in wanted)
     return events
+
+
+def writer_samples(
+    events: Iterable[Event], *, what: str = "pack", tier: str = "shared"
+) -> list[WriterSample]:
+    """The completion-time model's input (:class:`shoal.model.WriterSample`) from writer records.
+
+    One sample per ``write`` record of kind ``what`` on ``tier`` (default: the drain packs on the
+    shared tier; ``what="replica"`` on ``local`` or ``dram`` for the partner copies): its step
+    as the checkpoint (its writers share the tier's state), its bytes, its seconds (end - start),
+    the writers it shared the tier with (``concurrency``) and its end time. Records of one host's
+    log only: merge the hosts' logs for a job's whole checkpoint.
+    """
+    return [
+        WriterSample(e.step, e.bytes, e.end - e.start, max(1, e.concurrency), e.end)
+        for e in events
+        if isinstance(e, WriterRecord)
+        and e.step is not None
+        and e.what == what
+        and e.tier == tier
+        and e.end > e.start
+        and e.bytes > 0
+    ]
 
 
 def _open_log(path: str, rotated: bool) -> list[tuple[str, IO[str]]]:
