@@ -31,7 +31,7 @@ from shoal.engine.events import WriterRecord, read_events
 from shoal.testing.cluster_scenarios import cluster_config, cluster_state
 from shoal.testing.s3 import S3Admin, s3_storage_options
 
-__all__ = ["CpuWindow", "async_save_bench", "cpu_seconds", "dcp_save_bench", "shoal_bench"]
+__all__ = ["CpuWindow", "async_save_bench", "cpu_seconds", "prepare_bucket", "dcp_save_bench", "shoal_bench"]
 
 WAIT_S = 300.0
 
@@ -60,7 +60,8 @@ def _mutate(state: dict[str, Any]) -> None:
             t.add_(1.0)
 
 
-def _prepare(rank: int, bucket: str, model_mib: int, shard_mib: float) -> dict[str, Any]:
+def prepare_bucket(rank: int, bucket: str) -> None:
+    """Rank 0 creates ``bucket`` on the cluster's S3 when it is not there yet; every rank waits for it."""
     if rank == 0:
         admin = S3Admin(os.environ["SHOAL_S3_ENDPOINT"])
         try:
@@ -69,6 +70,10 @@ def _prepare(rank: int, bucket: str, model_mib: int, shard_mib: float) -> dict[s
         finally:
             admin.close()
     dist.barrier()
+
+
+def _prepare(rank: int, bucket: str, model_mib: int, shard_mib: float) -> dict[str, Any]:
+    prepare_bucket(rank, bucket)
     return cluster_state(rank, model_mib=model_mib, shard_mib=shard_mib)
 
 

@@ -44,9 +44,9 @@ from torch.futures import Future
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.engine.events import monotonic, read_events
-from shoal.testing.cluster_bench import CpuWindow
+from shoal.testing.cluster_bench import CpuWindow, prepare_bucket
 from shoal.testing.cluster_scenarios import cluster_config
-from shoal.testing.s3 import S3Admin, s3_storage_options
+from shoal.testing.s3 import s3_storage_options
 
 __all__ = [
     "CONTENDERS",
@@ -330,18 +330,6 @@ def _shoal_contender(
     )
 
 
-def _prepare_bucket(rank: int, bucket: str) -> None:
-    """Rank 0 creates ``bucket`` when it is not there yet; every rank waits for it."""
-    if rank == 0:
-        admin = S3Admin(os.environ["SHOAL_S3_ENDPOINT"])
-        try:
-            if bucket not in {b["Name"] for b in admin.client.list_buckets().get("Buckets", [])}:
-                admin.create_bucket(bucket)
-        finally:
-            admin.close()
-    dist.barrier()
-
-
 def coord_bench(
     rank: int,
     world: int,
@@ -365,7 +353,7 @@ def coord_bench(
     starts once the previous one's pipeline work is all done (its retention pass after B4 too),
     without it as soon as the previous one reached B4.
     """
-    _prepare_bucket(rank, bucket)
+    prepare_bucket(rank, bucket)
     state = tiny_state(rank, tensors=tensors, kib=kib)
     out: dict[str, Any] = {"rank": rank, "world": world}
     runs: dict[str, Callable[[CpuWindow], dict[str, Any]]] = {
