@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from shoal.errors import ConfigError
-from shoal.model import TierState, WriterFit, WriterSample, choose_family, fit_writers
+from shoal.model import TierState, WriterFit, WriterSample, choose_family, estimate_state, fit_writers
 
 MB = 1e6
 SIZE = 64 * MB
@@ -106,3 +106,28 @@ def test_quantiles_outside_zero_one_and_empty_sizes_are_refused() -> None:
     with pytest.raises(ConfigError, match="sizes must be positive"):
         model.slowest_quantile(0.9, [])
     assert math.isclose(model.slowest_cdf(0.0, [SIZE]), 0.0)
+
+
+@pytest.mark.parametrize("family", ["lognormal", "gamma"])
+def test_the_tiers_state_is_estimated_from_recent_records_alone(family: str) -> None:
+    fit = fit_writers(_records(TRUE[family], seed=3), family)
+    # now other tenants take half the tier: recent checkpoints of 8 writers see 100 MB/s in all
+    busy = WriterFit(family, 50 * MB, 100 * MB, 0.15, 0.3, 0.0, 0)
+    # 40 checkpoints: their shared g averages out to tau / sqrt(40), about 5% of the rate (1 sd)
+    recent = _records(busy, seed=4, counts=(8,), checkpoints=40)
+    state = estimate_state(fit, recent)
+    assert state.b_shared == pytest.approx(100 * MB, rel=0.15)
+    # what the estimate is for: the fitted writers, predicted in the tier's present state
+    assert fit.slowest_quantile(0.9, [SIZE] * 8, state) == pytest.approx(
+        fit.slowest_quantile(0.9, [SIZE] * 8, TierState(100 * MB)), rel=0.15
+    )
+    assert fit.slowest_quantile(0.9, [SIZE] * 8, state) > 1.5 * fit.slowest_quantile(0.9, [SIZE] * 8)
+
+
+def test_records_the_tier_never_bound_say_little_of_its_state() -> None:
+    fit = fit_writers(_records(TRUE["lognormal"], seed=5), "lognormal")
+    alone = _records(TRUE["lognormal"], seed=6, counts=(1,), checkpoints=20)  # one writer: its NIC binds
+    state = estimate_state(fit, alone)
+    # no share below the writer's own ceiling fits them better than noise: single writers predict alike
+    assert state == fit.state() or state.b_shared > 0.8 * fit.b_client
+    assert fit.typical(SIZE, 1, state) == pytest.approx(fit.typical(SIZE, 1), rel=0.2)

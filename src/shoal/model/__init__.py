@@ -27,7 +27,15 @@ from shoal.model.advisor import (
     young_interval,
 )
 from shoal.model.evaluate import coverage, forward_split, mape, mdape, pinball_loss
-from shoal.model.writers import FAMILIES, TierState, WriterFit, WriterSample, choose_family, fit_writers
+from shoal.model.writers import (
+    FAMILIES,
+    TierState,
+    WriterFit,
+    WriterSample,
+    choose_family,
+    estimate_state,
+    fit_writers,
+)
 
 __all__ = [
     "FAMILIES",
@@ -48,6 +56,7 @@ __all__ = [
     "WriterFit",
     "WriterSample",
     "choose_family",
+    "estimate_state",
     "coverage",
     "fit_writers",
     "forward_split",

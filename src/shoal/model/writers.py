@@ -35,7 +35,15 @@ from scipy import optimize, special, stats
 
 from shoal.errors import ConfigError
 
-__all__ = ["FAMILIES", "TierState", "WriterFit", "WriterSample", "choose_family", "fit_writers"]
+__all__ = [
+    "FAMILIES",
+    "TierState",
+    "WriterFit",
+    "WriterSample",
+    "choose_family",
+    "estimate_state",
+    "fit_writers",
+]
 
 FAMILIES = ("lognormal", "gamma")
 """The per-writer families :func:`fit_writers` knows."""
@@ -197,6 +205,34 @@ def fit_writers(samples: Sequence[WriterSample], family: str = "lognormal") -> W
     best = optimize.minimize(neg, best.x, method="Nelder-Mead", options=options)  # restart: NM can stall
     b_client, b_shared, sigma, tau = (float(v) for v in np.exp(best.x))
     return WriterFit(family, b_client, b_shared, sigma, tau, -float(best.fun), len(d.seconds))
+
+
+def estimate_state(fit: WriterFit, recent: Sequence[WriterSample]) -> TierState:
+    """The tier's state now, from a job's own ``recent`` records: ``b_shared`` refitted alone.
+
+    ``b_client``, ``sigma`` and ``tau`` stay as ``fit`` has them (they describe the writers and the
+    tier's variability, which change slowly); ``b_shared`` is what other tenants' load moves, and
+    is refitted by maximum likelihood over the recent checkpoints. Where no recent writer was
+    bound by the tier's share (``b_client < b_shared / N`` for every one of them) the records say
+    nothing about it, and ``fit``'s own ``b_shared`` stands.
+    """
+    d = _Data.of(recent)  # ConfigError for no records or bad ones
+    loglik = _LOGLIK[fit.family]
+    shares = fit.b_client * d.writers  # the tier binds a writer only while b_shared < b_client * N
+
+    def neg(log_b: float) -> float:
+        value = loglik(d, _m(d.nbytes, d.writers, fit.b_client, math.exp(log_b)), fit.sigma, fit.tau)
+        return -value if math.isfinite(value) else 1e300
+
+    # A grid first: the likelihood is flat where the share never binds, which misleads a bracket.
+    grid = np.linspace(math.log(fit.b_shared) - 6.0, math.log(fit.b_shared) + 6.0, 121)
+    best = int(np.argmin([neg(float(x)) for x in grid]))
+    lo, hi = float(grid[max(best - 1, 0)]), float(grid[min(best + 1, len(grid) - 1)])
+    found = optimize.minimize_scalar(neg, bounds=(lo, hi), method="bounded")
+    b_shared = math.exp(float(found.x))
+    if b_shared >= float(shares.max()):  # the share never bound: the records cannot see b_shared
+        return fit.state()
+    return TierState(b_shared)
 
 
 def choose_family(samples: Sequence[WriterSample]) -> tuple[WriterFit, Mapping[str, WriterFit]]:
