@@ -394,6 +394,8 @@ class GroupSave:
         chunks = list(mine.runs)
         parts = drain_parts([c.length for c in chunks], pack_bytes=ctx.drain_pack_bytes)
         hosts = [ctx.topology.host_of(d.rank) for d in plan.drains if len(d.runs)]
+        streams = min(len(parts), ctx.drain_streams)  # every draining rank counted alike
+        writers, on_host = len(hosts) * streams, hosts.count(ctx.host) * streams
         slab = self._slab()
 
         def one(lo: int, hi: int) -> PackIndex:
@@ -410,16 +412,12 @@ class GroupSave:
                 failpoint="pipeline.after_pack",
                 rank=ctx.rank,
             )
-            streams = min(len(parts), ctx.drain_streams)  # the writers of one host count alike
-            writers, on_host = len(hosts) * streams, hosts.count(ctx.host) * streams
             self._emit_write("pack", layout.pack_path(pack_id), index.size, start, writers, on_host)
             return index
 
         if len(parts) == 1:
             return [one(*parts[0])]
-        with ThreadPoolExecutor(
-            min(len(parts), ctx.drain_streams), thread_name_prefix=f"shoal-drain-r{ctx.rank}"
-        ) as pool:
+        with ThreadPoolExecutor(streams, thread_name_prefix=f"shoal-drain-r{ctx.rank}") as pool:
             futures = [pool.submit(one, lo, hi) for lo, hi in parts]
             return [f.result() for f in futures]  # the first error, after every upload ended
 
