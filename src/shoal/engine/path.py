@@ -101,6 +101,11 @@ class PathHistory:
         return tuple(self._records)
 
 
+def default_policy(path: str) -> PathPolicy:
+    """The policy of ``Config.path``: the rule, for ``"partner"`` and ``"direct"`` and (for now) ``"auto"``."""
+    return RulePolicy(path)
+
+
 def decide_path(policy: PathPolicy, context: PathContext) -> PathDecision:
     """Ask ``policy``; a partner path where none is possible becomes direct, saying so."""
     decision = policy.decide(context)
@@ -124,4 +129,5 @@ __all__ = [
     "PathRecord",
     "RulePolicy",
     "decide_path",
+    "default_policy",
 ]

@@ -44,7 +44,7 @@ from shoal.engine.hoststate import (
     write_run_file,
 )
 from shoal.engine.metacache import MetadataEncoder
-from shoal.engine.path import PathPolicy, RulePolicy
+from shoal.engine.path import PathPolicy, default_policy
 from shoal.engine.pipeline import Pipeline
 from shoal.engine.protocol import Gate
 from shoal.engine.restore import Restore, RestoreContext
@@ -93,8 +93,8 @@ class Runtime:
         self.host = cfg.host_id
         if path_policy is not None and not isinstance(path_policy, PathPolicy):
             raise ConfigError(f"path_policy must have a decide(context) method, got {path_policy!r}")
-        self.path_policy: PathPolicy = path_policy or RulePolicy(cfg.path)
-        """Decides each checkpoint's path on the coordinator (default: the rule of ``Config.path``)."""
+        self.path_policy: PathPolicy = path_policy or default_policy(cfg.path)
+        """Decides each checkpoint's path on the coordinator (default: :func:`~shoal.engine.path.default_policy`)."""
         self.closed = True  # until construction completes: close() then has nothing to do
         self._host_lock = HostLock(cfg.dram, cfg.job, self.host, self.rank)
         rank_hosts, domains = self._claim_host(cfg)
