@@ -28,6 +28,7 @@ from shoal.engine.restore import LoadReport, sources_in
 from shoal.engine.runtime import Runtime
 from shoal.format import layout
 from shoal.group.topology import Topology
+from shoal.model.exposure import Exposure
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
 from shoal.tiers.local import PosixTier
@@ -224,6 +225,20 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every checkpoint this process staged is finished (or failed); False on timeout."""
         return self.runtime.wait(timeout)
+
+    def exposure(self, step: int | None = None) -> Exposure:
+        """How much training a failure now would throw away, per failure class (never blocks).
+
+        ``process`` (a crash of the training processes) rolls back to the newest checkpoint
+        at B1 STAGED (its copy in the host's DRAM survives); ``host`` (the loss of one host) to
+        the newest at B2 REPLICATED (a partner holds a copy); ``cluster`` (every compute host
+        lost) to the newest at B4 RESTARTABLE (committed on shared storage). Each class's
+        ``seconds`` is the time since that checkpoint's save was called (since this
+        Checkpointer was built, if none), ``steps`` the current step (``step``, default the
+        newest saved) minus its step, ``protected_step`` its step. Local to this process: every
+        rank sees the same checkpoints reach the same boundaries. See ``docs/exposure.md``.
+        """
+        return self.runtime.exposure(step)
 
     # -- close -----------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 
 from shoal.boundary import Boundary
 from shoal.errors import BoundaryTimeout, CheckpointFailed
+
+log = logging.getLogger(__name__)
+
+BoundaryListener = Callable[["SaveHandle", Boundary, float], None]
+"""Called as ``listener(handle, boundary, seconds)`` for each boundary a handle newly reaches."""
 
 
 class SaveHandle:
@@ -31,6 +38,7 @@ class SaveHandle:
         """``"partner"`` or ``"direct"``: the durability path the coordinator chose for it."""
         self.path_reason: str | None = None
         """Why that path (the policy's own words)."""
+        self._listeners: list[BoundaryListener] = []
 
     def __repr__(self) -> str:
         state = "skipped" if self.skipped else (self._reached.name if self._reached else "pending")
@@ -108,34 +116,61 @@ class SaveHandle:
         """Record the durability path the coordinator chose, and why."""
         self.path, self.path_reason = path, reason
 
+    def add_listener(self, listener: BoundaryListener) -> None:
+        """Call ``listener(handle, boundary, seconds)`` for each boundary reached from now on.
+
+        Every newly reached boundary, the implied lower ones included, in order, with its seconds
+        from the save call; called on the thread that reports it, outside the handle's lock (a
+        listener may read the handle). A listener that raises is logged and never breaks the
+        handle or the pipeline. Boundaries reached before it was added are not replayed.
+        """
+        with self._cond:
+            self._listeners.append(listener)
+
     def reach(self, boundary: Boundary) -> float:
         """Record ``boundary`` (and every one before it) as reached now; return the seconds taken.
 
         Boundaries only move forward: reporting one at or below the last is a ``RuntimeError``.
         """
-        with self._cond:
-            if self._reached is not None and boundary <= self._reached:
-                raise RuntimeError(f"boundary {boundary.name} reported after {self._reached.name}")
-            elapsed = time.perf_counter() - self._t0
-            for b in Boundary:
-                if b <= boundary and b not in self._times:
-                    self._times[b] = elapsed
-            self._reached = boundary
-            if boundary == Boundary.RESTARTABLE:
-                self._finished = True
-            self._cond.notify_all()
-            return elapsed
+        return self._advance(boundary, strict=True)
 
     def reach_at_least(self, boundary: Boundary) -> None:
         """Record ``boundary`` unless it (or a later one) is recorded already.
 
         For boundaries two parties may observe, such as B1: the training thread sees it
         when ``dcp.save`` returns, the pipeline when every rank's report has arrived.
+        Checked and recorded under one lock, so the two never race into a ``RuntimeError``.
         """
+        self._advance(boundary, strict=False)
+
+    def _advance(self, boundary: Boundary, *, strict: bool) -> float:
+        """Record ``boundary`` and the ones before it, tell the listeners; the seconds it took."""
         with self._cond:
-            if self._reached is not None and self._reached >= boundary:
-                return
-        self.reach(boundary)
+            if self._reached is not None and boundary <= self._reached:
+                if strict:
+                    raise RuntimeError(f"boundary {boundary.name} reported after {self._reached.name}")
+                return self._times[self._reached]
+            elapsed = time.perf_counter() - self._t0
+            new = [b for b in Boundary if b <= boundary and b not in self._times]
+            for b in new:
+                self._times[b] = elapsed
+            self._reached = boundary
+            if boundary == Boundary.RESTARTABLE:
+                self._finished = True
+            self._cond.notify_all()
+            listeners = list(self._listeners)
+        for b in new:
+            self._notify(listeners, b, elapsed)
+        return elapsed
+
+    def _notify(self, listeners: list[BoundaryListener], boundary: Boundary, seconds: float) -> None:
+        for listener in listeners:
+            try:
+                listener(self, boundary, seconds)
+            except Exception:  # a listener's bug must not fail the checkpoint
+                log.warning(
+                    "step %d: a boundary listener failed at %s", self.step, boundary.name, exc_info=True
+                )
 
     def fail(self, boundary: Boundary, error: BaseException) -> None:
         """Record that the checkpoint could not reach ``boundary`` because of ``error``; it is finished."""

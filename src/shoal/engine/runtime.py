@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from shoal import failpoints
 from shoal.boundary import Boundary
 from shoal.config import Config
 from shoal.engine.catalog import ChunkCatalog
-from shoal.engine.events import EventLog
+from shoal.engine.events import EventLog, monotonic
 from shoal.engine.group_save import PipelineContext, SaveJob
 from shoal.engine.handle import SaveHandle
 from shoal.engine.hoststate import (
@@ -65,6 +66,7 @@ from shoal.format.chunking import Hasher
 from shoal.format.manifest import Manifest
 from shoal.group.fabric import Board, Fabric
 from shoal.group.topology import topology_for_path
+from shoal.model.exposure import Exposure, ExposureTracker
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
 from shoal.tiers.local import PosixTier
@@ -85,6 +87,8 @@ class Runtime:
     def __init__(self, config: Config, *, path_policy: PathPolicy | None = None) -> None:
         if not isinstance(config, Config):
             raise ConfigError(f"shoal needs a shoal.Config, got {type(config).__name__}")
+        self.exposure_tracker = ExposureTracker(start=monotonic())
+        """This process's rollback exposure (:mod:`shoal.model.exposure`): from when it was built."""
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
@@ -150,6 +154,9 @@ class Runtime:
                 left.slot,
             )
         self.events = EventLog(cfg.event_log, host=self.host, rank=self.rank)
+        self.events.emit(
+            "opened", None, run=run, world_size=self.world_size, start=self.exposure_tracker.start
+        )
         fabric = Fabric.create(cfg.collective_timeout)
         context = self._pipeline_context(cfg, fabric, host_tier, replicate=replicate)
         if host_tier is not None and context.is_host_leader:
@@ -337,13 +344,15 @@ class Runtime:
         self.resolve_undecided(f"step {step} was staged")
         if step in self._pipeline.in_flight() or step in self._staging:
             raise CheckpointExists(f"step {step} is already being checkpointed by this process")
-        self.events.emit("save_called", step, items=len(entries))
+        called = monotonic() - (time.perf_counter() - started)  # the save call, on the event clock
+        self.events.emit("save_called", step, items=len(entries), called=called)
         slot, waited = self._ring.acquire(step, wait=self.config.on_busy == "wait" or gate is not None)
         if slot is None:
             handle = SaveHandle(step, started=started, skipped=True)
             self.events.emit("skipped", step, in_flight=self._ring.in_flight_steps())
             return handle, None
         handle = SaveHandle(step, started=started)
+        handle.add_listener(partial(self._on_boundary, called))
         try:
             # The slot's staged index describes the checkpoint about to be overwritten: drop it
             # first, so that a crash mid-copy never leaves an index over half-new bytes.
@@ -371,6 +380,7 @@ class Runtime:
             raise
         self._warm_other_slots(slot)
         self.events.emit("staged", step, bytes=sum(s.nbytes for s in staged), wait_seconds=waited)
+        self.exposure_tracker.saved(step, called)
         if gate is None:
             with self._lock:
                 self._staging[step] = job
@@ -380,6 +390,25 @@ class Runtime:
             self._pipeline.submit(job)
             self.watch(handle)
         return handle, staged
+
+    def _on_boundary(self, called: float, handle: SaveHandle, boundary: Boundary, seconds: float) -> None:
+        """A checkpoint reached ``boundary``: the exposure tracker learns it; the coordinator logs
+        every class's exposure then (an ``exposure`` event)."""
+        at = max(called + seconds, self.exposure_tracker.start)
+        self.exposure_tracker.reached(handle.step, int(boundary), at)
+        if self.rank == 0:
+            exposure = self.exposure_tracker.exposure(at)
+            self.events.emit(
+                "exposure",
+                handle.step,
+                boundary=boundary.name,
+                seconds=seconds,
+                classes=exposure.to_json()["classes"],
+            )
+
+    def exposure(self, step: int | None = None) -> Exposure:
+        """This process's rollback exposure now, per failure class (``step``: the current step)."""
+        return self.exposure_tracker.exposure(monotonic(), step)
 
     def _warm_other_slots(self, slot: Slot) -> None:
         """Pre-fault the ring's other slabs in the background, sized like the one just used."""
