@@ -60,6 +60,7 @@ from shoal.engine.fence import WriterFence, after_failed_commit
 from shoal.engine.packwriter import drain_parts, slab_runs, write_pack
 from shoal.engine.path import PARTNER, PathContext, PathDecision, PathRecord, decide_path
 from shoal.engine.protocol import (
+    Drained,
     GroupFailure,
     PipelineContext,
     RankReport,
@@ -74,6 +75,8 @@ from shoal.format.manifest import ItemRecord, Stats, WorldInfo
 from shoal.format.manifest_build import Holdings, ManifestHeader, build_manifest
 from shoal.format.pack import PackIndex
 from shoal.group.planner import ChunkRef, ChunkTable, Digests, GroupPlan, RankChunks
+from shoal.model.paths import PathTimes
+from shoal.model.writers import WriterSample
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +107,14 @@ class GroupSave:
         """This checkpoint's plan and path (from C2)."""
         self.coordination_seconds = 0.0
         self.collectives = 0
+        self.marks: dict[str, float] = {}
+        """``perf_counter`` times of the protocol's steps on this rank (for the path policy's records)."""
+        self.logical_bytes = 0
+        """The coordinator's: bytes every rank staged (before dedup), from the C1 reports."""
+        self.replica: tuple[int, float] | None = None
+        """This rank's partner copy: bytes received and seconds of its exchange."""
+        self.results: list[Any] | None = None
+        """The coordinator's C6 gather: every rank's :class:`Drained` (or error)."""
 
     def _collective(self, op: Any, obj: Any) -> Any:
         """One control-message collective, timed (the coordination overhead the event log reports)."""
@@ -126,12 +137,20 @@ class GroupSave:
             if reports is not None:  # the coordinator: DCP's metadata, its own or the finish rank's
                 self.dcp = self._own_dcp() or next((r.dcp for r in reports if r.dcp is not None), None)
             h.reach_at_least(Boundary.STAGED)  # every rank has staged and reported
+            self.marks["staged"] = time.perf_counter()
             self._emit_boundary(Boundary.STAGED)
             target = Boundary.REPLICATED if ctx.replicate else Boundary.PERSISTED
             plan, decision = self._agree_on_plan(reports)  # C2
             self.plan, self.decision = plan, decision
+            self.marks["planned"] = time.perf_counter()
             h.set_path(decision.path, decision.reason)
-            ctx.events.emit("path", self.step, path=decision.path, reason=decision.reason)
+            ctx.events.emit(
+                "path",
+                self.step,
+                path=decision.path,
+                reason=decision.reason,
+                predictions=decision.predictions,
+            )
             replicate = decision.path == PARTNER
             target = Boundary.REPLICATED if replicate else Boundary.PERSISTED
             if replicate:
@@ -139,8 +158,9 @@ class GroupSave:
                 self._reach(Boundary.REPLICATED)
                 failpoints.hit("pipeline.after_replicate", rank=ctx.rank)
                 target = Boundary.PERSISTED
-            drained = self._guard("drain", lambda: self._drain(plan))
-            results = self._collective(ctx.fabric.gather, drained)  # C6
+            self.marks["drain_begin"] = time.perf_counter()
+            drained = self._guard("drain", lambda: self._drained(plan))
+            results = self.results = self._collective(ctx.fabric.gather, drained)  # C6
             outcome: dict[str, Any] | None = None
             if ctx.fabric.is_coordinator:
                 assert results is not None and reports is not None
@@ -168,18 +188,68 @@ class GroupSave:
             emit_checkpoint(ctx, self.job, None if self.decision is None else self.decision.path)
 
     def _record_path(self) -> None:
-        """Coordinator: what this checkpoint showed, for the path policy's next decisions."""
-        if not self.ctx.fabric.is_coordinator or self.decision is None:
+        """Coordinator: what this checkpoint showed, for the path policy's next decisions.
+
+        The record goes to the history the policy is shown, and to the policy's ``observe``
+        when it has one (a model refits there, after the checkpoint, not at the next plan);
+        the observed times go to the event log beside the prediction the decision made.
+        """
+        ctx, decision = self.ctx, self.decision
+        if not ctx.fabric.is_coordinator or decision is None:
             return
         h = self.job.handle
-        self.ctx.path_history.add(
+        times = None if h.error is not None else self._path_times()
+        ctx.path_history.add(
             PathRecord(
                 self.step,
-                self.decision.path,
+                decision.path,
                 sum(s.nbytes for s in self.job.slot.items),
                 {b.name: t for b, t in h.times.items()},
                 failed=h.error is not None,
+                times=times,
             )
+        )
+        observe = getattr(ctx.path_policy, "observe", None)
+        if callable(observe):
+            try:
+                observe(ctx.path_history.recent())
+            except Exception:  # a policy's bookkeeping never fails a checkpoint
+                log.warning("step %d: the path policy's observe failed", self.step, exc_info=True)
+        if times is not None:
+            predicted = (decision.predictions or {}).get(decision.path)
+            ctx.events.emit(
+                "path_observed",
+                self.step,
+                path=decision.path,
+                predicted=predicted,
+                pre=times.pre,
+                b2=times.b2,
+                b3=times.b3,
+            )
+
+    def _path_times(self) -> PathTimes | None:
+        """This checkpoint's :class:`~shoal.model.paths.PathTimes`, from the coordinator's marks and C6."""
+        ht, marks, results = self.job.handle.times, self.marks, self.results
+        decision = self.decision
+        b2 = ht.get(Boundary.REPLICATED)
+        if decision is None or results is None or b2 is None or Boundary.STAGED not in ht:
+            return None
+        base = ht[Boundary.STAGED] - marks["staged"]  # perf_counter -> seconds from the save call
+        drained = [r for r in results if isinstance(r, Drained)]
+        drains = [(r.drain_bytes, r.drain_seconds) for r in drained if r.drain_bytes and r.drain_seconds > 0]
+        copies = [
+            (r.replica_bytes, r.replica_seconds) for r in drained if r.replica_bytes and r.replica_seconds > 0
+        ]
+        return PathTimes(
+            self.step,
+            decision.path,
+            self.logical_bytes,
+            pre=base + marks["planned"],
+            b2=b2,
+            drain_begin=base + marks["drain_begin"],
+            b3=ht.get(Boundary.PERSISTED),
+            drain=tuple(WriterSample(self.step, b, t, len(drains), float(self.step)) for b, t in drains),
+            replicas=tuple(WriterSample(self.step, b, t, len(copies), float(self.step)) for b, t in copies),
         )
 
     def _emit_coordination(self) -> None:
@@ -265,11 +335,12 @@ class GroupSave:
     def _decide_path(self, reports: list[RankReport]) -> PathDecision:
         """Coordinator: this checkpoint's path, from the policy (DESIGN.md section 4, step 3)."""
         ctx = self.ctx
+        self.logical_bytes = sum(i.nbytes for r in reports for i in r.items)
         context = PathContext(
             step=self.step,
             world_size=ctx.fabric.world_size,
             hosts=tuple(ctx.topology.hosts),
-            logical_bytes=sum(i.nbytes for r in reports for i in r.items),
+            logical_bytes=self.logical_bytes,
             can_replicate=ctx.replicate,
             recent=ctx.path_history.recent(),
         )
@@ -349,7 +420,10 @@ class GroupSave:
 
     def _replicate_phase(self, plan: GroupPlan, reports: list[RankReport] | None) -> None:
         ctx = self.ctx
+        t0 = time.perf_counter()
         index, errors = replicate.exchange(ctx, plan, self.step, self._view)
+        if index is not None:
+            self.replica = (index.size, time.perf_counter() - t0)
         written = next((self._local(phase, e) for phase, e in errors), None) if errors else index
         results = self._collective(ctx.fabric.gather, written)  # C3
         manifests: dict[str, bytes] | str | None = None
@@ -377,6 +451,14 @@ class GroupSave:
         check_errors(self._collective(ctx.fabric.all_gather, ack))  # C5
 
     # -- C6, C7: drain and commit ------------------------------------------------------------
+    def _drained(self, plan: GroupPlan) -> Drained:
+        """This rank's C6 message: its drain packs, and the seconds of its drain and partner copy."""
+        t0 = time.perf_counter()
+        packs = self._drain(plan) or []
+        seconds = time.perf_counter() - t0 if packs else 0.0
+        copied, copy_seconds = self.replica or (0, 0.0)
+        return Drained(packs, sum(p.size for p in packs), seconds, copied, copy_seconds)
+
     def _drain(self, plan: GroupPlan) -> list[PackIndex] | None:
         """Write this rank's drain packs to the shared tier, straight from the slab.
 
@@ -458,7 +540,7 @@ class GroupSave:
         try:
             assert ctx.shared_catalog is not None
             commit = CheckpointCommit(ctx.shared, self._fence(), self.step, rank=ctx.rank, record=self._wrote)
-            drained = Holdings.of_packs(i for r in results if isinstance(r, list) for i in r)
+            drained = Holdings.of_packs(i for r in results if isinstance(r, Drained) for i in r.packs)
             kept = Holdings(ctx.shared_catalog.locations, ctx.shared_catalog.packs)
             manifest = build_manifest(self._header(), _items(reports), [drained, kept])
             commit.commit(manifest.encode(), manifest.packs)

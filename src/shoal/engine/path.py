@@ -12,11 +12,15 @@ the completion-time model plugs in here as another policy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from shoal.errors import ConfigError
+from shoal.model.paths import PathModel, PathPrediction, PathTimes
+
+log = logging.getLogger(__name__)
 
 PARTNER = "partner"
 DIRECT = "direct"
@@ -33,6 +37,9 @@ class PathRecord:
     seconds: dict[str, float]
     """Seconds from the save call to each boundary reached, by boundary name (``STAGED``...)."""
     failed: bool = False
+    times: PathTimes | None = None
+    """The checkpoint's parts and every rank's writer times (the completion-time model's evidence);
+    None for a failed checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,8 @@ class PathDecision:
 
     path: str
     reason: str
+    predictions: Mapping[str, Any] | None = None
+    """What a model predicted for each path (JSON-ready; the ``path`` event records it)."""
 
     def __post_init__(self) -> None:
         if self.path not in CHOICES:
@@ -101,9 +110,94 @@ class PathHistory:
         return tuple(self._records)
 
 
+class ModelPolicy:
+    """``path="auto"`` by the completion-time model: the path with the lower predicted time to B2.
+
+    On the coordinator, each checkpoint: the ``quantile`` (default p90) of the time to B2 by
+    each path, from :class:`~shoal.model.paths.PathModel` (the shared tier's writers for
+    ``direct``; the partner copies, fabric transfer and host-tier write, for ``partner``; each
+    tier's present state from the newest checkpoints), and the lower wins. The choice changes
+    only when the other path is predicted at least ``margin`` (a fraction) sooner, so noise
+    does not flip it checkpoint by checkpoint.
+
+    Cold start: ``fallback`` (the rule ``"auto"``: partner across hosts) decides until each path
+    has a fit from ``min_checkpoints`` checkpoints (the first checkpoint of the process, its
+    warm-up, not counted). Every checkpoint drains, so the ``direct`` fit learns whichever path
+    is taken; the ``partner`` fit learns during the cold start and whenever partner is chosen.
+    The fits are redone every ``refit_every`` checkpoints after one finishes (:meth:`observe`),
+    over the history the coordinator keeps (:class:`PathHistory`).
+
+    The decision's reason names both predictions; ``PathDecision.predictions`` (the ``path``
+    event) holds them whole, and the ``path_observed`` event the times that followed.
+    """
+
+    def __init__(
+        self,
+        *,
+        quantile: float = 0.9,
+        min_checkpoints: int = 4,
+        refit_every: int = 8,
+        margin: float = 0.05,
+        fallback: PathPolicy | None = None,
+    ) -> None:
+        if not 0 < quantile < 1:
+            raise ConfigError(f"ModelPolicy quantile must be in (0, 1), got {quantile!r}")
+        if min_checkpoints < 2 or refit_every < 1:
+            raise ConfigError(
+                "ModelPolicy needs min_checkpoints >= 2 and refit_every >= 1, "
+                f"got {min_checkpoints} and {refit_every}"
+            )
+        if not 0 <= margin < 1:
+            raise ConfigError(f"ModelPolicy margin must be in [0, 1), got {margin!r}")
+        self.quantile = quantile
+        self.margin = margin
+        self.refit_every = refit_every
+        self.fallback = fallback or RulePolicy("auto")
+        self.model = PathModel(min_checkpoints=min_checkpoints)
+        self._since_fit = 0
+        self._last: str | None = None
+
+    def decide(self, context: PathContext) -> PathDecision:
+        history = _evidence(context.recent)
+        if not context.can_replicate or not all(self.model.ready(p) for p in CHOICES):
+            rule = self.fallback.decide(context)
+            if context.can_replicate:
+                return PathDecision(
+                    rule.path, f"{rule.reason} (the model is warming up: {len(history)} seen)"
+                )
+            return rule
+        q = self.quantile
+        predictions = {p: self.model.predict(p, q, context.logical_bytes, history) for p in CHOICES}
+        path = min(CHOICES, key=lambda p: predictions[p].seconds)
+        last = self._last
+        if last is not None and predictions[path].seconds > predictions[last].seconds * (1.0 - self.margin):
+            path = last  # the other path is not sooner by the margin: keep this one
+        self._last = path
+        return PathDecision(path, _reason(q, predictions), {p: v.to_json() for p, v in predictions.items()})
+
+    def observe(self, recent: Sequence[PathRecord]) -> None:
+        """After a checkpoint finished: refit when due (and while a path still has no fit)."""
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every or not all(self.model.ready(p) for p in CHOICES):
+            history = _evidence(recent)
+            if history:
+                self.model.refit(history)
+                self._since_fit = 0
+
+
+def _evidence(recent: Sequence[PathRecord]) -> list[PathTimes]:
+    """The records a model learns from: finished checkpoints with times, the process's first left out."""
+    return [r.times for r in recent[1:] if r.times is not None and not r.failed] if recent else []
+
+
+def _reason(q: float, predictions: Mapping[str, PathPrediction]) -> str:
+    said = ", ".join(f"{p} {v.seconds:.3g} s" for p, v in predictions.items())
+    return f"path='auto': the model's p{round(q * 100)} time to B2: {said}"
+
+
 def default_policy(path: str) -> PathPolicy:
-    """The policy of ``Config.path``: the rule, for ``"partner"`` and ``"direct"`` and (for now) ``"auto"``."""
-    return RulePolicy(path)
+    """``Config.path``'s policy: the rule for ``"partner"`` and ``"direct"``, the model for ``"auto"``."""
+    return ModelPolicy() if path == "auto" else RulePolicy(path)
 
 
 def decide_path(policy: PathPolicy, context: PathContext) -> PathDecision:
@@ -121,6 +215,7 @@ def decide_path(policy: PathPolicy, context: PathContext) -> PathDecision:
 __all__ = [
     "CHOICES",
     "DIRECT",
+    "ModelPolicy",
     "PARTNER",
     "PathContext",
     "PathDecision",

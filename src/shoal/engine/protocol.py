@@ -20,6 +20,7 @@ from shoal.engine.staged import StagedIndex
 from shoal.engine.stager import Slot
 from shoal.errors import ShoalError
 from shoal.format.chunking import Hasher
+from shoal.format.pack import PackIndex
 from shoal.group.fabric import Fabric
 from shoal.group.planner import PlanCache
 from shoal.group.topology import Topology
@@ -147,6 +148,22 @@ class RankReport:
     """The first 8 bytes of every digest of ``items``, item after item
     (:meth:`~shoal.group.digests.Digests.prefixes`): the planner's sort keys, made here on every
     rank so that the coordinator does not gather them from millions of digests."""
+
+
+@dataclass(frozen=True)
+class Drained:
+    """What a rank tells the coordinator in C6: its drain packs, and how long its writes took.
+
+    The seconds are the completion-time model's evidence (:class:`shoal.engine.path.ModelPolicy`):
+    the drain from this rank's first upload's start to its last one's end; the partner copy
+    (``partner`` path) over this rank's whole exchange, transfer and host-tier write together.
+    """
+
+    packs: list[PackIndex]
+    drain_bytes: int = 0
+    drain_seconds: float = 0.0
+    replica_bytes: int = 0
+    replica_seconds: float = 0.0
 
 
 @dataclass

@@ -1,0 +1,172 @@
+"""Time to B2 by each durability path, predicted from a job's own checkpoints (DESIGN.md section 7).
+
+A checkpoint's time to B2 (safe against a host failure), from the save call, is three parts:
+
+* ``pre``: staging, hashing and the plan, the same whichever path is taken;
+* the **slowest writer** of the path: on ``direct`` the slowest rank's drain to the shared tier
+  (B2 comes with B3 there), on ``partner`` the slowest rank's partner copy (the fabric transfer
+  and the write to the partner host's tier, one interval);
+* an **overhead** after the slowest writer: the collectives and, on ``direct``, the commit's
+  manifest (B3).
+
+The writers follow :mod:`shoal.model.writers` (one :class:`~shoal.model.writers.WriterFit` per
+path: the shared tier's for ``direct``, the fabric-and-host-tier's for ``partner``), each with
+the tier's present state estimated from the newest checkpoints (:func:`estimate_state`); ``pre``
+and the overheads are the medians of what recent checkpoints showed. The ``q`` quantile of the
+time to B2 is then ``pre + overhead + Q_q(slowest of the writers)``, the writers' sizes those of the
+newest checkpoint scaled to the bytes of this one.
+
+Every checkpoint drains, whichever its path: the shared tier's model learns from all of them.
+The partner model learns only from partner checkpoints; a job that stays on ``direct`` keeps
+its last fabric fit (the fabric is the job's own, and changes far less than a shared tier).
+
+Pure: numbers in, numbers out; :class:`shoal.engine.path.ModelPolicy` feeds it from the
+coordinator's records and turns its predictions into decisions.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from shoal.errors import ConfigError
+from shoal.model.writers import WriterFit, WriterSample, choose_family, estimate_state
+
+__all__ = ["PATHS", "PathModel", "PathPrediction", "PathTimes"]
+
+PATHS = ("partner", "direct")
+
+
+@dataclass(frozen=True)
+class PathTimes:
+    """One finished checkpoint as the coordinator saw it (seconds from the save call)."""
+
+    checkpoint: int
+    path: str
+    logical_bytes: int
+    pre: float
+    """Until the plan was agreed (C2): the part both paths share."""
+    b2: float
+    """Until B2 (on ``direct``, B3)."""
+    drain_begin: float
+    """When the drain began: after the plan (``direct``) or after B2 (``partner``)."""
+    b3: float | None = None
+    drain: tuple[WriterSample, ...] = ()
+    """One per draining rank: its bytes, seconds from its first upload's start to its last one's end."""
+    replicas: tuple[WriterSample, ...] = ()
+    """One per receiving rank (``partner`` only): its received bytes, seconds of its exchange."""
+
+    def __post_init__(self) -> None:
+        if self.path not in PATHS:
+            raise ConfigError(f"PathTimes.path must be one of {PATHS}, got {self.path!r}")
+
+    def overhead(self, path: str) -> float | None:
+        """Seconds to ``path``'s B2 beyond ``pre`` and its slowest writer, as this checkpoint showed them.
+
+        ``direct``: from the drain's start to B3, less the slowest drain (the gather and the
+        manifest), which every checkpoint shows; ``partner``: from the plan to B2, less the
+        slowest partner copy, which only a partner checkpoint shows. None: nothing to subtract.
+        """
+        if path == "direct":
+            if self.b3 is None or not self.drain:
+                return None
+            return max(0.0, self.b3 - self.drain_begin - max(s.seconds for s in self.drain))
+        if self.path != "partner" or not self.replicas:
+            return None
+        return max(0.0, self.b2 - self.pre - max(s.seconds for s in self.replicas))
+
+
+@dataclass(frozen=True)
+class PathPrediction:
+    """The predicted time to B2 by one path, and its parts."""
+
+    path: str
+    q: float
+    seconds: float
+    """The ``q`` quantile of the time to B2."""
+    typical: float
+    """The median: ``pre + overhead +`` the slowest writer's median."""
+    pre: float
+    overhead: float
+    writers: int
+    b_shared: float
+    """The tier state the prediction assumed (bytes per second for all writers together)."""
+    family: str
+
+    def to_json(self) -> dict[str, float | int | str]:
+        return {
+            "q": self.q,
+            "seconds": self.seconds,
+            "typical": self.typical,
+            "pre": self.pre,
+            "overhead": self.overhead,
+            "writers": self.writers,
+            "b_shared": self.b_shared,
+            "family": self.family,
+        }
+
+
+@dataclass
+class PathModel:
+    """Writer fits per path over a window of recent checkpoints; predicts either path's time to B2.
+
+    ``state_checkpoints``: how many of the newest checkpoints set the tier's present state.
+    ``min_checkpoints``: checkpoints with writers a path's fit needs before it predicts.
+    """
+
+    state_checkpoints: int = 3
+    min_checkpoints: int = 4
+    fits: dict[str, WriterFit] = field(default_factory=dict)
+
+    def refit(self, history: Sequence[PathTimes]) -> None:
+        """Fit each path's writers to ``history`` (oldest first); a path with too few keeps its fit."""
+        for path in PATHS:
+            samples = _samples(history, path)
+            if len({s.checkpoint for s in samples}) >= self.min_checkpoints:
+                self.fits[path] = choose_family(samples)[0]
+
+    def ready(self, path: str) -> bool:
+        return path in self.fits
+
+    def predict(
+        self, path: str, q: float, logical_bytes: int, history: Sequence[PathTimes]
+    ) -> PathPrediction:
+        """``path``'s ``q`` quantile of time to B2 for a checkpoint of ``logical_bytes``, now."""
+        if path not in self.fits:
+            raise ConfigError(f"no writer fit for the {path} path yet: too few checkpoints")
+        fit = self.fits[path]
+        samples = _samples(history, path)
+        newest = sorted({s.checkpoint for s in samples})[-self.state_checkpoints :]
+        recent = [s for s in samples if s.checkpoint in newest]
+        state = estimate_state(fit, recent) if recent else fit.state()
+        sizes = _sizes(history, path, logical_bytes)
+        pre = _median([h.pre for h in history[-8:]])
+        overhead = _median([o for h in history if (o := h.overhead(path)) is not None][-8:])
+        slowest_q = fit.slowest_quantile(q, sizes, state) if sizes else 0.0
+        slowest_typ = fit.slowest_quantile(0.5, sizes, state) if sizes else 0.0
+        return PathPrediction(
+            path, q, pre + overhead + slowest_q, pre + overhead + slowest_typ, pre, overhead,
+            len(sizes), state.b_shared, fit.family,
+        )  # fmt: skip
+
+
+def _samples(history: Sequence[PathTimes], path: str) -> list[WriterSample]:
+    """The writers of ``path`` over ``history``: every checkpoint's drain, or the partner copies."""
+    if path == "direct":
+        return [s for h in history for s in h.drain]
+    return [s for h in history for s in h.replicas]
+
+
+def _sizes(history: Sequence[PathTimes], path: str, logical_bytes: int) -> list[float]:
+    """The writers' sizes the next checkpoint should have: the newest one's with writers, scaled."""
+    for h in reversed(history):
+        writers = h.drain if path == "direct" else h.replicas
+        if writers:
+            scale = logical_bytes / h.logical_bytes if h.logical_bytes > 0 else 1.0
+            return [max(1.0, s.nbytes * scale) for s in writers]
+    return []
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0

@@ -1,0 +1,169 @@
+"""Time to B2 by each path from a job's own checkpoints, and the model policy's choice (``path="auto"``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shoal.engine.path import DIRECT, PARTNER, ModelPolicy, PathContext, PathRecord
+from shoal.errors import ConfigError
+from shoal.model.paths import PathModel, PathTimes
+from shoal.model.writers import TierState, WriterFit, WriterSample
+
+MB = 1_000_000
+PRE, OVERHEAD = 0.2, 0.05
+RANKS = 8
+SHARE = 4 * MB
+"""Bytes each of the eight ranks drains, and receives as a partner copy."""
+FABRIC = WriterFit("lognormal", b_client=20 * MB, b_shared=1e12, sigma=0.05, tau=0.05, loglik=0.0, n=0)
+"""The partner copies: each rank's own 20 MB/s, the fabric never the bound."""
+
+
+def shared_tier(b_shared: float) -> WriterFit:
+    """The shared tier: each writer's ceiling 40 MB/s (above a partner copy's), all of them ``b_shared``."""
+    return WriterFit("lognormal", b_client=40 * MB, b_shared=b_shared, sigma=0.08, tau=0.1, loglik=0.0, n=0)
+
+
+def history(
+    rng: np.random.Generator, b_shared: float, path: str, count: int, first: int = 1
+) -> list[PathTimes]:
+    """``count`` checkpoints as the coordinator records them, with writers drawn from the true models."""
+    out = []
+    for k in range(first, first + count):
+        drain = shared_tier(b_shared).simulate(rng, [SHARE] * RANKS, 1)
+        drain_s = tuple(WriterSample(k, s.nbytes, s.seconds, RANKS, float(k)) for s in drain)
+        copies: tuple[WriterSample, ...] = ()
+        b2 = PRE + OVERHEAD + max(s.seconds for s in drain_s)
+        begin = PRE
+        if path == PARTNER:
+            sim = FABRIC.simulate(rng, [SHARE] * RANKS, 1)
+            copies = tuple(WriterSample(k, s.nbytes, s.seconds, RANKS, float(k)) for s in sim)
+            b2 = PRE + OVERHEAD + max(s.seconds for s in copies)
+            begin = b2
+        b3 = begin + max(s.seconds for s in drain_s) + OVERHEAD
+        out.append(PathTimes(k, path, RANKS * SHARE, PRE, b2, begin, b3, drain_s, copies))
+    return out
+
+
+def _context(records: list[PathRecord], step: int) -> PathContext:
+    return PathContext(step, RANKS, ("a", "b"), RANKS * SHARE, can_replicate=True, recent=tuple(records))
+
+
+def _records(times: list[PathTimes]) -> list[PathRecord]:
+    return [PathRecord(t.checkpoint, t.path, t.logical_bytes, {}, times=t) for t in times]
+
+
+def crossover() -> float:
+    """The b_shared at which the true p90 times to B2 of the two paths are equal (bisection, log scale)."""
+    partner = FABRIC.slowest_quantile(0.9, [SHARE] * RANKS)
+    lo, hi = 1 * MB, 1000 * MB
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        direct = shared_tier(mid).slowest_quantile(0.9, [SHARE] * RANKS)
+        lo, hi = (mid, hi) if direct > partner else (lo, mid)
+    return (lo * hi) ** 0.5
+
+
+def test_the_prediction_of_each_path_is_its_parts_plus_the_true_slowest_writer_quantile():
+    rng = np.random.default_rng(7)
+    times = history(rng, 40 * MB, PARTNER, 40)
+    model = PathModel()
+    model.refit(times)
+    for path, truth in ((DIRECT, shared_tier(40 * MB)), (PARTNER, FABRIC)):
+        p = model.predict(path, 0.9, RANKS * SHARE, times)
+        expected = PRE + OVERHEAD + truth.slowest_quantile(0.9, [SHARE] * RANKS)
+        assert p.seconds == pytest.approx(expected, rel=0.06), path
+        assert p.pre == pytest.approx(PRE) and p.overhead == pytest.approx(OVERHEAD, abs=0.02)
+        assert p.writers == RANKS and p.typical < p.seconds
+
+
+def test_sizes_scale_with_the_bytes_of_the_checkpoint_to_come():
+    rng = np.random.default_rng(3)
+    times = history(rng, 200 * MB, PARTNER, 12)
+    model = PathModel()
+    model.refit(times)
+    once = model.predict(DIRECT, 0.5, RANKS * SHARE, times)
+    twice = model.predict(DIRECT, 0.5, 2 * RANKS * SHARE, times)
+    assert twice.seconds - PRE - twice.overhead == pytest.approx(
+        2 * (once.seconds - PRE - once.overhead), rel=0.02
+    )
+
+
+def test_a_path_without_enough_checkpoints_has_no_fit_and_says_so():
+    rng = np.random.default_rng(1)
+    model = PathModel()
+    model.refit(history(rng, 40 * MB, DIRECT, 10))  # no partner copies at all
+    assert model.ready(DIRECT) and not model.ready(PARTNER)
+    with pytest.raises(ConfigError, match="no writer fit for the partner path"):
+        model.predict(PARTNER, 0.9, 1, [])
+
+
+@pytest.mark.parametrize("factor, expected", [(3.0, DIRECT), (1 / 3.0, PARTNER)])
+def test_the_choice_flips_where_the_criterion_says(factor, expected):
+    """Light load (the shared tier well above the crossover): direct; contention (well below): partner."""
+    b_shared = crossover() * factor
+    rng = np.random.default_rng(11)
+    policy = ModelPolicy(min_checkpoints=4, refit_every=1)
+    times = history(rng, b_shared, PARTNER, 12)  # the cold start's partner checkpoints
+    policy.observe(_records(times))
+    decision = policy.decide(_context(_records(times), 13))
+    assert decision.path == expected, decision.reason
+    assert decision.predictions is not None and set(decision.predictions) == {PARTNER, DIRECT}
+    chosen = decision.predictions[expected]["seconds"]
+    other = decision.predictions[DIRECT if expected == PARTNER else PARTNER]["seconds"]
+    assert chosen < other and "time to B2" in decision.reason
+
+
+def test_the_policy_follows_the_tier_state_from_the_newest_checkpoints():
+    """Same fits; the shared tier turns contended: the next decisions go to partner, then back."""
+    rng = np.random.default_rng(5)
+    fast, slow = crossover() * 4, crossover() / 4
+    policy = ModelPolicy(min_checkpoints=4, refit_every=1000)  # no refit after the cold start
+    times = history(rng, fast, PARTNER, 10)
+    policy.observe(_records(times))
+    assert policy.decide(_context(_records(times), 11)).path == DIRECT
+    times += history(rng, slow, DIRECT, 3, first=11)
+    assert policy.decide(_context(_records(times), 14)).path == PARTNER
+    times += history(rng, fast, PARTNER, 3, first=14)
+    assert policy.decide(_context(_records(times), 17)).path == DIRECT
+
+
+def test_cold_start_uses_the_rule_and_says_the_model_is_warming_up():
+    rng = np.random.default_rng(2)
+    policy = ModelPolicy(min_checkpoints=4)
+    times = history(rng, 40 * MB, PARTNER, 3)  # the first is the warm-up: two count
+    policy.observe(_records(times))
+    decision = policy.decide(_context(_records(times), 4))
+    assert decision.path == PARTNER and "warming up" in decision.reason and decision.predictions is None
+    one_host = PathContext(4, 2, ("a",), 1, can_replicate=False, recent=tuple(_records(times)))
+    assert policy.decide(one_host).path == DIRECT
+
+
+def test_the_margin_keeps_the_path_when_the_other_is_barely_sooner():
+    rng = np.random.default_rng(9)
+    policy = ModelPolicy(min_checkpoints=4, refit_every=1, margin=0.5)
+    times = history(rng, crossover() * 1.3, PARTNER, 12)  # direct sooner, but by less than half
+    policy.observe(_records(times))
+    policy._last = PARTNER
+    assert policy.decide(_context(_records(times), 13)).path == PARTNER
+    policy.margin = 0.0
+    assert policy.decide(_context(_records(times), 13)).path == DIRECT
+
+
+def test_bad_settings_are_refused_naming_them():
+    with pytest.raises(ConfigError, match="quantile"):
+        ModelPolicy(quantile=1.0)
+    with pytest.raises(ConfigError, match="min_checkpoints"):
+        ModelPolicy(min_checkpoints=1)
+    with pytest.raises(ConfigError, match="margin"):
+        ModelPolicy(margin=1.0)
+    with pytest.raises(ConfigError, match="PathTimes.path"):
+        PathTimes(1, "sideways", 1, 0.0, 0.0, 0.0)
+
+
+def test_a_tier_state_moves_the_prediction_as_the_formula_says():
+    """Sanity of the parts: halving b_shared where it binds doubles the writers' time."""
+    fit = shared_tier(24 * MB)
+    one = fit.typical(SHARE, RANKS, TierState(24 * MB))
+    two = fit.typical(SHARE, RANKS, TierState(12 * MB))
+    assert two == pytest.approx(2 * one, rel=1e-6)
