@@ -1,4 +1,5 @@
-"""``shoal``: inspect, verify, garbage-collect and export a job's checkpoints on shared storage.
+"""``shoal``: inspect, verify, garbage-collect and export a job's checkpoints on shared storage;
+read a run's event log for its rollback exposure and the checkpoint interval to use.
 
 Exit status: 0 success; 1 ``verify`` found problems; 2 could not run: bad usage, or an
 error, printed as one line on stderr that names the place (shoal's errors, I/O errors and
@@ -19,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 
 from shoal import __version__
-from shoal.cli import export, gc, ls, verify
+from shoal.cli import advise, export, exposure, gc, ls, verify
 from shoal.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, add_location_options
 from shoal.errors import ShoalError
 
@@ -40,6 +41,8 @@ examples:
   shoal gc /lustre/run/job42 --keep-last 3 --dry-run
   shoal export /lustre/run/job42 --format dcp ./job42-dcp
   shoal export /lustre/run/job42 --format safetensors --strip-prefix model. ./hf
+  shoal exposure job42 --local /nvme/shoal          (host-local: reads the run's event log)
+  shoal advise job42 --node-mtbf 8760 --nodes 64 --restart 600 --accelerators-per-node 8
 """
 
 
@@ -57,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"shoal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (ls, verify, gc, export):
+    for module in (ls, verify, gc, export, exposure, advise):
         module.add_parser(sub, [common])
     # dispatched before parsing (its own argparse takes the rest); listed here for --help
     sub.add_parser("demo", help="run the demo (shoal demo --help for its options)", add_help=False)
