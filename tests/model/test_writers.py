@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from shoal.errors import ConfigError
 from shoal.model import TierState, WriterFit, WriterSample, choose_family, estimate_state, fit_writers
+from shoal.model.writers import calibrate_spread
 
 MB = 1e6
 SIZE = 64 * MB
@@ -131,3 +133,61 @@ def test_records_the_tier_never_bound_say_little_of_its_state() -> None:
     # no share below the writer's own ceiling fits them better than noise: single writers predict alike
     assert state == fit.state() or state.b_shared > 0.8 * fit.b_client
     assert fit.typical(SIZE, 1, state) == pytest.approx(fit.typical(SIZE, 1), rel=0.2)
+
+
+# -- a fixed cost per write, and the spread of g around estimated states -----------------------
+
+LATENT = WriterFit("lognormal", 50 * MB, 200 * MB, 0.1, 0.2, 0.0, 0, latency=0.05, n_params=5)
+
+
+def _sized(model: WriterFit, seed: int, checkpoints: int = 20) -> list[WriterSample]:
+    """Checkpoints of 1 to 16 writers of 4, 16 and 64 MB each (a latency shows against size)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for c, (n, size) in enumerate((n, s) for n in (1, 4, 16) for s in (4 * MB, 16 * MB, 64 * MB)):
+        for s in model.simulate(rng, [size] * n, checkpoints):
+            out.append(WriterSample(c * 1000 + s.checkpoint, s.nbytes, s.seconds, n, c * 1000 + s.t))
+    return out
+
+
+def test_a_fixed_cost_per_write_is_recovered_and_bic_keeps_it_only_where_it_is() -> None:
+    records = _sized(LATENT, seed=11)
+    fit = fit_writers(records, "lognormal", latency=True)
+    assert fit.latency == pytest.approx(0.05, rel=0.15) and fit.n_params == 5
+    assert fit.b_shared == pytest.approx(200 * MB, rel=0.05)
+    assert fit.b_client == pytest.approx(50 * MB, rel=0.10)
+    assert fit.typical(4 * MB, 1) == pytest.approx(0.05 + 4 / 50, rel=0.05)
+    best, fits = choose_family(records, latency=True)
+    assert best.latency > 0 and set(fits) >= {"gamma+latency"}  # (at sigma 0.1 the families look alike)
+    plain = replace(LATENT, latency=0.0, n_params=4)
+    best, _ = choose_family(_sized(plain, seed=12), latency=True)
+    assert best.latency == 0.0  # a latency that explains nothing does not pay its parameter
+
+
+def test_the_slowest_writer_with_a_latency_matches_a_monte_carlo_of_the_model() -> None:
+    draws = 20_000
+    sim = LATENT.simulate(np.random.default_rng(8), [4 * MB] * 8, draws)
+    slowest = np.array([s.seconds for s in sim]).reshape(draws, 8).max(axis=1)
+    assert LATENT.slowest_quantile(0.9, [4 * MB] * 8) == pytest.approx(
+        float(np.quantile(slowest, 0.9)), rel=0.02
+    )
+
+
+def test_the_spread_around_estimated_states_is_what_the_states_leave_unexplained() -> None:
+    # the tier's share moves between blocks of checkpoints (other tenants come and go); g's own
+    # spread within that is tau = 0.1
+    rng = np.random.default_rng(13)
+    pairs, records = [], []
+    for block, b_shared in enumerate((200 * MB, 80 * MB, 140 * MB, 50 * MB)):
+        model = WriterFit("lognormal", 50 * MB, b_shared, 0.1, 0.1, 0.0, 0)
+        for c in range(30):
+            writers = model.simulate(rng, [SIZE] * 8, 1)
+            pairs.append((TierState(b_shared), writers))
+            records += [WriterSample(block * 100 + c, s.nbytes, s.seconds, 8, s.t) for s in writers]
+    one_state = fit_writers(records, "lognormal")
+    assert one_state.tau > 0.3  # the blocks' different shares, read as weather
+    calibrated = calibrate_spread(one_state, pairs)
+    assert calibrated.tau == pytest.approx(0.1, rel=0.25)
+    assert (calibrated.b_client, calibrated.sigma) == (one_state.b_client, one_state.sigma)
+    with pytest.raises(ConfigError, match="at least one"):
+        calibrate_spread(one_state, [])

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 from scipy import optimize, special, stats
@@ -40,6 +41,7 @@ __all__ = [
     "TierState",
     "WriterFit",
     "WriterSample",
+    "calibrate_spread",
     "choose_family",
     "estimate_state",
     "fit_writers",
@@ -108,10 +110,12 @@ class _Data:
         )
 
 
-def _m(nbytes: np.ndarray, writers: np.ndarray, b_client: float, b_shared: float) -> np.ndarray:
-    """ln(S / b_eff(N)) for every row."""
+def _m(
+    nbytes: np.ndarray, writers: np.ndarray, b_client: float, b_shared: Any, latency: float = 0.0
+) -> np.ndarray:
+    """ln(latency + S / b_eff(N)) for every row (``b_shared``: one rate, or one per row)."""
     b_eff = np.minimum(b_client, b_shared / writers)
-    return np.log(nbytes) - np.log(b_eff)
+    return np.log(latency + nbytes / b_eff)
 
 
 def _loglik_lognormal(d: _Data, m: np.ndarray, sigma: float, tau: float) -> float:
@@ -179,13 +183,19 @@ def _starts(d: _Data) -> list[np.ndarray]:
     return starts
 
 
-def fit_writers(samples: Sequence[WriterSample], family: str = "lognormal") -> WriterFit:
+def fit_writers(
+    samples: Sequence[WriterSample], family: str = "lognormal", *, latency: bool = False
+) -> WriterFit:
     """Fit ``b_client``, ``b_shared``, ``sigma`` and ``tau`` to ``samples`` by maximum likelihood.
 
     ``samples`` should span several checkpoints (``tau`` is the spread between them) and, for
     ``b_client`` and ``b_shared`` to be told apart, several writer counts: where every sample's
     writers share the tier evenly the fit cannot see ``b_client`` and puts it high (it then
-    bounds nothing). Raises :class:`~shoal.errors.ConfigError` for an unknown family or bad samples.
+    bounds nothing). With ``latency`` a fixed cost per write is fitted too (``T = (latency +
+    S / b_eff) e^(g + e)``: the request's round trips and the store's own handling of an
+    object, which bytes alone do not explain); it needs several sizes or writer counts to be
+    told from the rates. Raises :class:`~shoal.errors.ConfigError` for an unknown family or bad
+    samples.
     """
     if family not in _LOGLIK:
         raise ConfigError(f"family must be one of {FAMILIES}, got {family!r}")
@@ -193,18 +203,26 @@ def fit_writers(samples: Sequence[WriterSample], family: str = "lognormal") -> W
     loglik = _LOGLIK[family]
 
     def neg(theta: np.ndarray) -> float:
-        b_client, b_shared, sigma, tau = np.exp(np.clip(theta, -60.0, 60.0))
+        values = np.exp(np.clip(theta, -60.0, 60.0))
+        b_client, b_shared, sigma, tau = values[:4]
+        lat = float(values[4]) if len(values) > 4 else 0.0
         if not (1e-4 < sigma < 20 and 1e-4 < tau < 20):
             return 1e300
-        value = loglik(d, _m(d.nbytes, d.writers, b_client, b_shared), sigma, tau)
+        value = loglik(d, _m(d.nbytes, d.writers, b_client, b_shared, lat), sigma, tau)
         return -value if math.isfinite(value) else 1e300
 
-    options = {"maxiter": 4000, "xatol": 1e-8, "fatol": 1e-10}
-    tries = [optimize.minimize(neg, x0, method="Nelder-Mead", options=options) for x0 in _starts(d)]
+    starts = _starts(d)
+    if latency:  # each start with next to no latency, and with a third of the quickest write
+        quickest = float(d.seconds.min())
+        starts = [np.append(x, math.log(v)) for x in starts for v in (1e-6 * quickest, quickest / 3)]
+    options = {"maxiter": 6000, "xatol": 1e-8, "fatol": 1e-10}
+    tries = [optimize.minimize(neg, x0, method="Nelder-Mead", options=options) for x0 in starts]
     best = min(tries, key=lambda r: float(r.fun))
     best = optimize.minimize(neg, best.x, method="Nelder-Mead", options=options)  # restart: NM can stall
-    b_client, b_shared, sigma, tau = (float(v) for v in np.exp(best.x))
-    return WriterFit(family, b_client, b_shared, sigma, tau, -float(best.fun), len(d.seconds))
+    values = [float(v) for v in np.exp(best.x)]
+    b_client, b_shared, sigma, tau = values[:4]
+    lat, params = (values[4], 5) if latency else (0.0, 4)
+    return WriterFit(family, b_client, b_shared, sigma, tau, -float(best.fun), len(d.seconds), lat, params)
 
 
 def estimate_state(fit: WriterFit, recent: Sequence[WriterSample]) -> TierState:
@@ -221,7 +239,8 @@ def estimate_state(fit: WriterFit, recent: Sequence[WriterSample]) -> TierState:
     shares = fit.b_client * d.writers  # the tier binds a writer only while b_shared < b_client * N
 
     def neg(log_b: float) -> float:
-        value = loglik(d, _m(d.nbytes, d.writers, fit.b_client, math.exp(log_b)), fit.sigma, fit.tau)
+        m = _m(d.nbytes, d.writers, fit.b_client, math.exp(log_b), fit.latency)
+        value = loglik(d, m, fit.sigma, fit.tau)
         return -value if math.isfinite(value) else 1e300
 
     # A grid first: the likelihood is flat where the share never binds, which misleads a bracket.
@@ -235,9 +254,50 @@ def estimate_state(fit: WriterFit, recent: Sequence[WriterSample]) -> TierState:
     return TierState(b_shared)
 
 
-def choose_family(samples: Sequence[WriterSample]) -> tuple[WriterFit, Mapping[str, WriterFit]]:
-    """Fit every family of :data:`FAMILIES`; return the one with the lowest BIC, and all of them."""
+def calibrate_spread(
+    fit: WriterFit, checkpoints: Sequence[tuple[TierState, Sequence[WriterSample]]]
+) -> WriterFit:
+    """``fit`` with ``tau`` refitted as the spread of ``g`` around states estimated beforehand.
+
+    :func:`fit_writers` fits one ``b_shared`` over all its records, so its ``tau`` is the spread
+    of the shared term around that one rate: every change of load or weather over the records
+    is in it. A running job predicts instead from a state estimated from its own recent records
+    (:func:`estimate_state`), which follows such changes, but late and with noise. The spread a
+    prediction should carry is that of ``g`` around the state it was given: ``checkpoints`` pairs
+    each checkpoint's writers with the state estimated before it ran, and ``tau`` is refitted by
+    maximum likelihood over them (``b_client`` and ``sigma`` kept). Raises
+    :class:`~shoal.errors.ConfigError` for no checkpoints or bad samples.
+    """
+    if not checkpoints:
+        raise ConfigError("calibrate_spread needs at least one (state, writers) checkpoint, got none")
+    samples, shares = [], []
+    for j, (state, writers) in enumerate(checkpoints):
+        samples.extend(WriterSample(j, s.nbytes, s.seconds, s.writers, s.t) for s in writers)
+        shares.extend([state.b_shared] * len(writers))
+    d = _Data.of(samples)  # rows sorted by checkpoint, and so by the order of ``shares``
+    b_shared = np.array(shares, dtype=float)[np.argsort([s.checkpoint for s in samples], kind="stable")]
+    m = _m(d.nbytes, d.writers, fit.b_client, b_shared, fit.latency)
+    loglik = _LOGLIK[fit.family]
+
+    def neg(log_tau: float) -> float:
+        value = loglik(d, m, fit.sigma, math.exp(log_tau))
+        return -value if math.isfinite(value) else 1e300
+
+    found = optimize.minimize_scalar(neg, bounds=(math.log(1e-4), math.log(5.0)), method="bounded")
+    return replace(fit, tau=math.exp(float(found.x)))
+
+
+def choose_family(
+    samples: Sequence[WriterSample], *, latency: bool = False
+) -> tuple[WriterFit, Mapping[str, WriterFit]]:
+    """Fit every family of :data:`FAMILIES`; return the one with the lowest BIC, and all of them.
+
+    With ``latency`` each family is also fitted with a fixed cost per write (under
+    ``"<family>+latency"``), and BIC chooses among all four.
+    """
     fits = {f: fit_writers(samples, f) for f in FAMILIES}
+    if latency:
+        fits.update({f"{f}+latency": fit_writers(samples, f, latency=True) for f in FAMILIES})
     return min(fits.values(), key=lambda f: f.bic), fits
 
 
@@ -255,8 +315,10 @@ class WriterFit:
     loglik: float
     n: int
     """Writer samples fitted."""
-
-    n_params = 4
+    latency: float = 0.0
+    """A fixed cost per write, seconds (0: none fitted): ``T = (latency + S / b_eff) e^(g + e)``."""
+    n_params: int = 4
+    """Parameters fitted (5 with a latency), for the BIC."""
 
     @property
     def bic(self) -> float:
@@ -270,6 +332,10 @@ class WriterFit:
         """Each writer's rate with ``writers`` of them: ``min(b_client, b_shared / writers)``."""
         b_shared = (state or self.state()).b_shared
         return min(self.b_client, b_shared / writers)
+
+    def _m(self, nbytes: float, writers: int, state: TierState | None) -> float:
+        """ln(latency + S / b_eff): the log of a writer's time at g = e = 0."""
+        return math.log(self.latency + nbytes / self.b_eff(writers, state))
 
     def _cdf_given_g(self, t: float, m: float, g: np.ndarray) -> np.ndarray:
         """F(t | g) of one writer whose ``ln(S / b_eff)`` is ``m``, for every g."""
@@ -288,11 +354,10 @@ class WriterFit:
         if t <= 0:
             return 0.0
         n = len(sizes)
-        b = self.b_eff(n, state)
         g, w = self._grid()
         log_all = np.zeros_like(g)
         for size in sizes:
-            log_all += np.log(np.clip(self._cdf_given_g(t, math.log(size / b), g), 1e-300, 1.0))
+            log_all += np.log(np.clip(self._cdf_given_g(t, self._m(size, n, state), g), 1e-300, 1.0))
         return float(np.dot(w, np.exp(log_all)))
 
     def slowest_quantile(self, q: float, sizes: Sequence[float], state: TierState | None = None) -> float:
@@ -302,14 +367,14 @@ class WriterFit:
         if not sizes or min(sizes) <= 0:
             raise ConfigError(f"sizes must be positive byte counts, one per writer, got {list(sizes)!r}")
         return self._invert(
-            lambda t: self.slowest_cdf(t, sizes, state), q, max(sizes) / self.b_eff(len(sizes), state)
+            lambda t: self.slowest_cdf(t, sizes, state), q, math.exp(self._m(max(sizes), len(sizes), state))
         )
 
     def writer_quantile(self, q: float, nbytes: float, writers: int, state: TierState | None = None) -> float:
         """The ``q`` quantile of one writer's time (g and its own luck both unknown)."""
         if not 0 < q < 1:
             raise ConfigError(f"quantile q must be in (0, 1), got {q!r}")
-        m = math.log(nbytes / self.b_eff(writers, state))
+        m = self._m(nbytes, writers, state)
         g, w = self._grid()
         return self._invert(lambda t: float(np.dot(w, self._cdf_given_g(t, m, g))), q, math.exp(m))
 
@@ -336,7 +401,7 @@ class WriterFit:
     ) -> list[WriterSample]:
         """Draw ``checkpoints`` checkpoints of writers of ``sizes`` from the model (tests, consistency)."""
         n = len(sizes)
-        m = np.log(np.asarray(sizes, dtype=float) / self.b_eff(n, state))
+        m = np.log(self.latency + np.asarray(sizes, dtype=float) / self.b_eff(n, state))
         out: list[WriterSample] = []
         for j in range(checkpoints):
             g = rng.normal(0.0, self.tau)
