@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from shoal.errors import ConfigError
 from shoal.model import coverage, forward_split, mape, mdape, pinball_loss
+from shoal.model.evaluate import (
+    Checkpoint,
+    calibrated_fit,
+    forward_predictions,
+    history,
+    prediction_scores,
+)
+from shoal.model.writers import WriterFit, WriterSample, fit_writers
 
 
 def test_percentage_errors() -> None:
@@ -43,3 +52,58 @@ def test_the_forward_split_keeps_time_order_and_never_cuts_through_one_time() ->
 def test_bad_input_is_refused_with_what_was_wrong(call, match) -> None:
     with pytest.raises(ConfigError, match=match):
         call()
+
+
+# -- the online (forward) evaluation of the writer model ----------------------------------------
+
+MB = 1e6
+
+
+def _job(
+    model: WriterFit, job: str, writers: int, count: int, seed: int, t0: float = 0.0
+) -> list[Checkpoint]:
+    """``count`` checkpoints of ``writers`` writers of 8 MB, one second apart, drawn from ``model``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for j in range(count):
+        samples = tuple(
+            WriterSample(seed * 1000 + j, s.nbytes, s.seconds, writers, t0 + j + s.seconds)
+            for s in model.simulate(rng, [8 * MB] * writers, 1)
+        )
+        out.append(Checkpoint(job, samples, t0 + j, t0 + j + max(s.seconds for s in samples), "r"))
+    return out
+
+
+def test_a_checkpoint_reads_its_writers() -> None:
+    c = Checkpoint(
+        "a", (WriterSample(0, 10, 1.0, 3), WriterSample(0, 20, 3.0, 3), WriterSample(0, 10, 2.0, 3)), 0, 3
+    )
+    assert (c.writers, c.sizes, c.typical_seconds, c.slowest_seconds) == (3, [10.0, 20.0, 10.0], 2.0, 3.0)
+
+
+def test_the_history_is_the_jobs_own_checkpoints_that_ended_before() -> None:
+    mine = [Checkpoint("a", (WriterSample(k, 1, 1.0, 1),), float(k), k + 0.5) for k in range(5)]
+    other = Checkpoint("b", (WriterSample(9, 1, 1.0, 1),), 3.0, 3.5)
+    late = Checkpoint("a", (WriterSample(8, 1, 1.0, 1),), 3.2, 4.5)  # still running at 4.0
+    target = Checkpoint("a", (WriterSample(7, 1, 1.0, 1),), 4.0, 5.0)
+    assert history([*mine, other, late, target], target, 2) == mine[2:4]
+    assert history(mine, target, 0) == []
+
+
+def test_forward_predictions_follow_the_tiers_state_and_cover_their_quantile() -> None:
+    # a job at 8 writers; then other tenants take half the tier: the state comes from recent records
+    true = WriterFit("lognormal", 50 * MB, 200 * MB, 0.1, 0.1, 0.0, 0)
+    busy = WriterFit("lognormal", 50 * MB, 100 * MB, 0.1, 0.1, 0.0, 0)
+    train = _job(true, "a", 8, 40, seed=1) + _job(true, "b", 2, 40, seed=2)
+    test = _job(busy, "a", 8, 80, seed=3, t0=100.0)
+    fit = calibrated_fit(fit_writers([s for c in train for s in c.samples]), train, window=4)
+    assert fit.tau == pytest.approx(0.1, rel=0.4)
+    preds = forward_predictions(fit, test, train, window=4)
+    assert len(preds) == 80  # the first test checkpoint has the training's last ones as history
+    late = preds[4:]  # once the history is all of the busy tier
+    scores = prediction_scores(late)
+    assert scores["n"] == 76 and scores["mape"] < 12.0
+    assert 0.8 <= scores["coverage"] <= 1.0
+    assert late[-1].state.b_shared == pytest.approx(100 * MB, rel=0.2)
+    with pytest.raises(ConfigError, match="no predictions"):
+        prediction_scores([])

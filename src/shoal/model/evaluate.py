@@ -3,18 +3,37 @@
 Pure functions over plain numbers. A forward split keeps time order (fit on the past, predict
 the future), as a running job would; a random split would let the model see the weather it is
 asked to predict.
+
+:func:`forward_predictions` is the online evaluation a running job would do: each checkpoint
+predicted from the fitted model and the tier state estimated from the same job's few previous
+checkpoints (their records ended before it started), never from anything the job cannot see;
+:func:`prediction_scores` scores those predictions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
 from shoal.errors import ConfigError
+from shoal.model.writers import TierState, WriterFit, WriterSample, calibrate_spread, estimate_state
 
-__all__ = ["coverage", "forward_split", "mape", "mdape", "pinball_loss"]
+__all__ = [
+    "Checkpoint",
+    "Prediction",
+    "calibrated_fit",
+    "coverage",
+    "forward_predictions",
+    "forward_split",
+    "history",
+    "mape",
+    "mdape",
+    "pinball_loss",
+    "prediction_scores",
+]
 
 T = TypeVar("T")
 
@@ -74,3 +93,128 @@ def pinball_loss(q: float, predicted_quantiles: Sequence[float], observed: Seque
     p, o = _pair(predicted_quantiles, observed)
     diff = o - p
     return float(np.mean(np.maximum(q * diff, (q - 1) * diff)))
+
+
+# -- online (forward) evaluation of the writer model -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint of one job on a tier: its writers' samples and when they ran."""
+
+    job: str
+    """Which job (a job estimates the tier's state only from its own records)."""
+    samples: tuple[WriterSample, ...]
+    start: float
+    """When its first writer started (the clock of ``end``)."""
+    end: float
+    """When its last writer ended."""
+    regime: str = ""
+    """A label for scoring per regime (the harness's conditions; never an input)."""
+
+    @property
+    def writers(self) -> int:
+        """Its writers on the tier at once (the records' ``concurrency``)."""
+        return max(s.writers for s in self.samples)
+
+    @property
+    def sizes(self) -> list[float]:
+        return [float(s.nbytes) for s in self.samples]
+
+    @property
+    def typical_seconds(self) -> float:
+        """The observed median writer's time."""
+        return float(np.median([s.seconds for s in self.samples]))
+
+    @property
+    def slowest_seconds(self) -> float:
+        """The observed slowest writer's time."""
+        return max(s.seconds for s in self.samples)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the model said of one checkpoint before it ran, beside what it saw."""
+
+    checkpoint: Checkpoint
+    state: TierState
+    typical: float
+    """Predicted median writer, seconds."""
+    slowest: float
+    """Predicted ``q`` quantile of the slowest writer, seconds."""
+
+
+def history(checkpoints: Sequence[Checkpoint], target: Checkpoint, window: int) -> list[Checkpoint]:
+    """The last ``window`` checkpoints of ``target``'s job that ended before it started."""
+    past = [c for c in checkpoints if c.job == target.job and c.end <= target.start and c is not target]
+    return sorted(past, key=lambda c: c.end)[-window:] if window > 0 else []
+
+
+def _states(
+    fit: WriterFit, checkpoints: Sequence[Checkpoint], pool: Sequence[Checkpoint], window: int
+) -> list[tuple[Checkpoint, TierState]]:
+    """Each of ``checkpoints`` with a history in ``pool``, and the state its history gives."""
+    out = []
+    for c in checkpoints:
+        past = history(pool, c, window)
+        if past:
+            out.append((c, estimate_state(fit, [s for p in past for s in p.samples])))
+    return out
+
+
+def calibrated_fit(fit: WriterFit, train: Sequence[Checkpoint], *, window: int) -> WriterFit:
+    """``fit`` with the spread of its shared term as a forward prediction over ``train`` sees it.
+
+    Each training checkpoint with a history gets the state its job's previous ``window``
+    checkpoints give (:func:`~shoal.model.writers.estimate_state`), and ``tau`` is refitted
+    around those states (:func:`~shoal.model.writers.calibrate_spread`): the predicted
+    quantiles then carry the error of a state estimated from a few recent records, as
+    :func:`forward_predictions` uses them. ``fit`` itself is returned when no checkpoint has a
+    history.
+    """
+    pairs = _states(fit, train, train, window)
+    if not pairs:
+        return fit
+    return calibrate_spread(fit, [(state, c.samples) for c, state in pairs])
+
+
+def forward_predictions(
+    fit: WriterFit,
+    tests: Sequence[Checkpoint],
+    seen: Sequence[Checkpoint],
+    *,
+    window: int,
+    q: float = 0.9,
+) -> list[Prediction]:
+    """Predict each of ``tests`` as a running job would, just before it started.
+
+    The tier's state comes from :func:`~shoal.model.writers.estimate_state` over the job's last
+    ``window`` checkpoints that ended before the test began (from ``seen`` and ``tests``
+    alike: by then they were the job's own history); a checkpoint with no such history is left
+    out. Predicts the typical writer (median size, the checkpoint's writer count) and the ``q``
+    quantile of the slowest of its writers.
+    """
+    out = []
+    for c, state in _states(fit, tests, list(seen) + list(tests), window):
+        size = float(np.median(c.sizes))
+        out.append(
+            Prediction(c, state, fit.typical(size, c.writers, state), fit.slowest_quantile(q, c.sizes, state))
+        )
+    return out
+
+
+def prediction_scores(predictions: Sequence[Prediction], q: float = 0.9) -> dict[str, float]:
+    """MAPE and MdAPE of the typical writer, coverage and pinball loss of the slowest's quantile."""
+    if not predictions:
+        raise ConfigError("no predictions to score")
+    typical = [p.typical for p in predictions]
+    seen_typical = [p.checkpoint.typical_seconds for p in predictions]
+    slowest = [p.slowest for p in predictions]
+    seen_slowest = [p.checkpoint.slowest_seconds for p in predictions]
+    return {
+        "n": float(len(predictions)),
+        "mape": mape(typical, seen_typical),
+        "mdape": mdape(typical, seen_typical),
+        "coverage": coverage(slowest, seen_slowest),
+        "pinball": pinball_loss(q, slowest, seen_slowest),
+    }
