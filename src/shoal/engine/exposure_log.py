@@ -9,8 +9,11 @@ its ``boundary`` events (a checkpoint still in flight when the log ends). Skippe
 checkpoints. The run starts at rank 0's ``opened`` event (when its Checkpointer was built) or
 its first event, and ends at its last event.
 
-The monotonic clock is per boot: where it goes backwards (the host restarted) the log holds
-several runs of the clock; only the last is used, and a note says so.
+The monotonic clock is per boot: where it goes backwards by more than :data:`CLOCK_SLACK_S`
+(the host restarted) the log holds several runs of the clock; only the last is used, and a note
+says so. Lines of one host's threads are in ``mono`` order only to within a few milliseconds
+(each takes its time before the log's lock): the saves are read in line order, which is causal
+for each checkpoint.
 """
 
 from __future__ import annotations
@@ -125,12 +128,19 @@ def _mono(e: Event) -> float:
     return float(e.mono)
 
 
+CLOCK_SLACK_S = 10.0
+"""How far a line's ``mono`` may lag the lines before it without meaning a reboot: threads take
+their time before they take the log's lock, so lines are in order only to within that."""
+
+
 def _last_clock_run(events: Sequence[Event], source: str) -> tuple[list[Event], list[str]]:
     """The events since the monotonic clock last went backwards (a reboot), and a note if it did."""
-    cut = 0
+    cut, newest = 0, _mono(events[0])
     for i in range(1, len(events)):
-        if _mono(events[i]) < _mono(events[i - 1]) - 1e-6:
-            cut = i
+        mono = _mono(events[i])
+        if mono < newest - CLOCK_SLACK_S:
+            cut, newest = i, mono
+        newest = max(newest, mono)
     if not cut:
         return list(events), []
     return list(events[cut:]), [
