@@ -1,0 +1,267 @@
+"""The durability path on the emulated cluster: ``direct``, ``partner`` and ``auto`` (the model), in one run.
+
+For each regime (a number of hosts N, one rank each, another tenant's background load on the
+shared storage, and optionally the storage link's weather), three jobs save every ``--interval``
+seconds (:func:`shoal.testing.cluster_paths.path_run`), one per policy: ``Config.path`` =
+``direct``, ``partner``, ``auto``. Each job has its own name on the store; the weather restarts
+from the same seed for each, so the three see the same storage. What is reported, per regime:
+
+* **predictability**: mean, p90 and coefficient of variation (CoV) of the time to B2 (safe against
+  a host failure) and to B3 (safe against the cluster) by each policy; ``auto`` over its saves
+  after the model's cold start only (the first ``--warmup`` saves, decided by the rule, are left out);
+* **the conditional criterion**: which fixed path reached B2 sooner on average (the regime's
+  winner), how often ``auto`` chose it, and ``auto``'s mean time to B2 against the winner's;
+* **exposure**: the time-integrated rollback exposure of the host and cluster failure classes
+  (:func:`shoal.model.exposure.exposure_timeline` over each job's saves), per policy, over the
+  same span of saves.
+
+The model never sees the regime: it learns from the job's own checkpoints only (the harness's
+knobs label the rows). ``--out`` keeps the raw results; ``--from`` re-reports them; ``--plot``
+draws the map and the CoV. Needs root. Usage:
+``python benchmarks/model_paths.py --out /tmp/paths.json --plot docs/img/model_paths.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from shoal.model.exposure import CheckpointTimes, exposure_timeline
+from shoal.testing.cluster import Cluster, ClusterSpec, cannot_run
+from shoal.testing.cluster_load import BackgroundLoad, Weather, set_storage_rate
+
+POLICIES = ("direct", "partner", "auto")
+SCENARIO = "shoal.testing.cluster_paths:path_run"
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One cell of the map: ``hosts`` job hosts (one rank each) and the storage's other traffic."""
+
+    name: str
+    hosts: int
+    tenants: int = 0
+    """Background writers of the other tenant (on the host after the job's), putting without pause."""
+    weather: int | None = None
+    """Seed of the storage link's random-walk weather; None: the link keeps its rate."""
+
+
+MAP = tuple(
+    Regime(f"N={n} {load}", n, tenants)
+    for load, tenants in (("quiet", 0), ("1 tenant", 1), ("3 tenants", 3))
+    for n in (2, 3, 4)
+)
+CONTENDED = (Regime("N=3 3 tenants + weather", 3, 3, weather=7),)
+
+
+def _run_regime(cluster: Cluster, regime: Regime, args: argparse.Namespace, root: str) -> dict[str, Any]:
+    """The three policies' jobs in one regime, one after another, each under the same load."""
+    out: dict[str, Any] = {"regime": asdict(regime), "policies": {}}
+    for policy in POLICIES:
+        saves = args.saves + (args.warmup if policy == "auto" else 0)
+        job = f"{policy}-{secrets.token_hex(3)}"
+        run_args = {
+            "bucket": "paths",
+            "job": job,
+            "dram_root": os.path.join(root, "dram", job),
+            "local_root": os.path.join(root, "local", job),
+            "path": policy,
+            "saves": saves,
+            "interval": args.interval,
+            "model_mib": args.model_mib,
+            "shard_mib": args.shard_mib,
+        }
+        loads = (
+            [BackgroundLoad(cluster, cluster.spec.hosts - 1, writers=regime.tenants)]
+            if regime.tenants
+            else []
+        )
+        weather = Weather(
+            cluster, seed=regime.weather, low_mbit=args.storage_mbit / 4, high_mbit=args.storage_mbit
+        )
+        for load in loads:
+            load.start()
+        if regime.weather is not None:
+            weather.start()
+        try:
+            ranks = cluster.run_ranks(SCENARIO, 1, run_args, timeout=900, hosts=regime.hosts)
+        finally:
+            if regime.weather is not None:
+                weather.stop()
+                set_storage_rate(cluster, args.storage_mbit)
+            for load in loads:
+                load.stop()
+        out["policies"][policy] = ranks[0]
+        print(f"  {regime.name}: {policy} done", file=sys.stderr, flush=True)
+    return out
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"mean": float("nan"), "p90": float("nan"), "cov": float("nan"), "n": 0}
+    mean = statistics.fmean(xs)
+    sd = statistics.pstdev(xs) if len(xs) > 1 else 0.0
+    p90 = sorted(xs)[min(len(xs) - 1, int(0.9 * len(xs)))]
+    return {"mean": mean, "p90": p90, "cov": sd / mean if mean else float("nan"), "n": len(xs)}
+
+
+def _counted(run: dict[str, Any], policy: str, warmup: int) -> list[dict[str, Any]]:
+    """The saves that count: every one that reached B4, ``auto``'s after its cold start."""
+    saves = [s for s in run["saves"] if not s["skipped"] and "4" in s["times"]]
+    return saves[warmup:] if policy == "auto" else saves
+
+
+def _exposure(run: dict[str, Any], saves: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean exposure (seconds) of the host and cluster classes over the counted saves' span."""
+    if len(saves) < 2:
+        return {}
+    checkpoints = [
+        CheckpointTimes(s["step"], s["saved"], {int(k): s["saved"] + v for k, v in s["times"].items()})
+        for s in run["saves"]
+        if not s["skipped"]
+    ]
+    start, end = saves[0]["saved"] + saves[0]["times"]["4"], saves[-1]["saved"]
+    timeline = exposure_timeline(checkpoints, start, end)
+    return {c: timeline[c].mean_seconds for c in ("host", "cluster")}
+
+
+def summarize(results: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
+    """One row per regime: each policy's B2/B3 statistics and exposure, the winner, auto's choices."""
+    rows = []
+    for r in results:
+        row: dict[str, Any] = {"regime": r["regime"]["name"], "policies": {}}
+        for policy, run in r["policies"].items():
+            saves = _counted(run, policy, warmup)
+            row["policies"][policy] = {
+                "b2": _stats([s["times"]["2"] for s in saves]),
+                "b3": _stats([s["times"]["3"] for s in saves]),
+                "exposure": _exposure(run, saves),
+                "paths": [s["path"] for s in saves],
+            }
+        p = row["policies"]
+        winner = min(("direct", "partner"), key=lambda k: p[k]["b2"]["mean"])
+        auto = p["auto"]
+        row["winner"] = winner
+        row["auto_picks_winner"] = sum(x == winner for x in auto["paths"]) / max(1, len(auto["paths"]))
+        row["auto_vs_best"] = auto["b2"]["mean"] / p[winner]["b2"]["mean"]
+        rows.append(row)
+    return rows
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    print("| regime | policy | B2 mean | B2 p90 | B2 CoV | B3 mean | B3 CoV | exposure: host | cluster |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        for policy, s in row["policies"].items():
+            e = s["exposure"]
+            print(
+                f"| {row['regime']} | {policy} | {s['b2']['mean']:.3f} | {s['b2']['p90']:.3f} | "
+                f"{s['b2']['cov']:.3f} | {s['b3']['mean']:.3f} | {s['b3']['cov']:.3f} | "
+                f"{e.get('host', float('nan')):.2f} | {e.get('cluster', float('nan')):.2f} |"
+            )
+    print()
+    print(
+        "| regime | sooner to B2 | auto picks it | auto's mean B2 / the better path's | CoV direct / auto |"
+    )
+    print("|---|---|---:|---:|---:|")
+    for row in rows:
+        p = row["policies"]
+        ratio = p["direct"]["b2"]["cov"] / p["auto"]["b2"]["cov"] if p["auto"]["b2"]["cov"] else float("inf")
+        print(
+            f"| {row['regime']} | {row['winner']} | {row['auto_picks_winner']:.0%} | "
+            f"{row['auto_vs_best']:.3f} | {ratio:.1f}x |"
+        )
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["regime"] for r in rows]
+    x = range(len(rows))
+    for k, policy in enumerate(POLICIES):
+        means = [r["policies"][policy]["b2"]["mean"] for r in rows]
+        covs = [r["policies"][policy]["b2"]["cov"] for r in rows]
+        ax1.bar([i + (k - 1) * 0.27 for i in x], means, 0.27, label=policy)
+        ax2.bar([i + (k - 1) * 0.27 for i in x], covs, 0.27, label=policy)
+    for ax, title in ((ax1, "mean time to B2 (s)"), (ax2, "CoV of time to B2")):
+        ax.set_xticks(list(x), names, rotation=45, ha="right", fontsize=8)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"plot: {path}", file=sys.stderr)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--saves", type=int, default=10, help="timed saves per policy and regime")
+    ap.add_argument("--warmup", type=int, default=6, help="auto's extra first saves (its cold start)")
+    ap.add_argument("--interval", type=float, default=2.5, help="seconds between save calls")
+    ap.add_argument("--model-mib", type=int, default=1)
+    ap.add_argument("--shard-mib", type=float, default=6.0)
+    ap.add_argument("--host-storage-mbit", type=float, default=200.0)
+    ap.add_argument("--fabric-mbit", type=float, default=100.0)
+    ap.add_argument("--storage-mbit", type=float, default=300.0)
+    ap.add_argument("--regimes", default="map,contended", help="map, contended, or both (comma-separated)")
+    ap.add_argument("--only", default=None, help="run only regimes whose name contains this")
+    ap.add_argument("--out", default=None, help="write the raw results here (JSON)")
+    ap.add_argument("--from", dest="source", default=None, help="report results saved with --out")
+    ap.add_argument("--plot", default=None, help="draw the B2 means and CoVs to this PNG")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.source:
+        with open(args.source, encoding="utf-8") as f:
+            saved = json.load(f)
+        results, args.warmup = saved["results"], saved["warmup"]
+    else:
+        why = cannot_run()
+        if why:
+            print(f"cannot run the emulated cluster: {why}", file=sys.stderr)
+            return 2
+        regimes = [r for k in args.regimes.split(",") for r in {"map": MAP, "contended": CONTENDED}[k]]
+        regimes = [r for r in regimes if args.only is None or args.only in r.name]
+        results = _sweep(args, regimes)
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump({"args": vars(args), "warmup": args.warmup, "results": results}, f)
+    rows = summarize(results, args.warmup)
+    _print(rows)
+    if args.plot:
+        _plot(rows, args.plot)
+    return 0
+
+
+def _sweep(args: argparse.Namespace, regimes: list[Regime]) -> list[dict[str, Any]]:
+    hosts = max(r.hosts for r in regimes) + 1  # the last host is the other tenant's
+    spec = ClusterSpec(
+        hosts=hosts,
+        host_storage_mbit=args.host_storage_mbit,
+        fabric_mbit=args.fabric_mbit,
+        storage_mbit=args.storage_mbit,
+    )
+    root = tempfile.mkdtemp(prefix="shoal-paths-")
+    try:
+        with Cluster(spec) as cluster:
+            return [_run_regime(cluster, r, args, root) for r in regimes]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
