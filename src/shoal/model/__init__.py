@@ -6,7 +6,9 @@
 * :mod:`shoal.model.evaluate`: forward (time-ordered) splits, MAPE and MdAPE, coverage and
   pinball loss of predicted quantiles;
 * :mod:`shoal.model.advisor`: the checkpoint interval (Young, Daly, with the asynchronous lag
-  in the restart term), the expected waste, and a Monte Carlo of failures to check them.
+  in the restart term), the expected waste, and a Monte Carlo of failures to check them;
+* :mod:`shoal.model.exposure`: rollback exposure per failure class (process, host, cluster), live
+  (:class:`ExposureTracker`) and over a finished run (:func:`exposure_timeline`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ from shoal.model.advisor import (
     young_interval,
 )
 from shoal.model.evaluate import coverage, forward_split, mape, mdape, pinball_loss
+from shoal.model.exposure import (
+    FAILURE_CLASSES,
+    CheckpointTimes,
+    ClassExposure,
+    ClassTimeline,
+    Exposure,
+    ExposureTimeline,
+    ExposureTracker,
+    exposure_timeline,
+)
 from shoal.model.writers import (
     FAMILIES,
     TierState,
@@ -52,6 +64,14 @@ __all__ = [
     "job_mtbf",
     "simulate_waste",
     "young_interval",
+    "FAILURE_CLASSES",
+    "CheckpointTimes",
+    "ClassExposure",
+    "ClassTimeline",
+    "Exposure",
+    "ExposureTimeline",
+    "ExposureTracker",
+    "exposure_timeline",
     "TierState",
     "WriterFit",
     "WriterSample",
