@@ -207,17 +207,28 @@ def _persistence(preds: list[Any], ckpts: list[Any]) -> float:
 
 def evaluate(data: Mapping[str, Any], fraction: float, window: int, latency: bool = True) -> dict[str, Any]:
     """Fit on the first ``fraction`` of the checkpoints in time, predict the rest one by one."""
-    from shoal.model.evaluate import calibrated_fit, forward_predictions, forward_split, prediction_scores
+    from shoal.model.evaluate import (
+        calibrated_fit,
+        choose_window,
+        forward_predictions,
+        forward_split,
+        prediction_scores,
+    )
     from shoal.model.writers import choose_family
 
     ckpts = checkpoints_of(data)
     train, test = forward_split(ckpts, fraction, key=lambda c: c.start)
     raw, fits = choose_family([s for c in train for s in c.samples], latency=latency)
+    window_mape: dict[int, float] = {}
+    if window < 1:  # chosen on the training checkpoints alone
+        window, window_mape = choose_window(raw, train)
     fit = calibrated_fit(raw, train, window=window)
     preds = forward_predictions(fit, test, train, window=window)
     regimes = sorted({p.checkpoint.regime for p in preds})
     per = {r: prediction_scores([p for p in preds if p.checkpoint.regime == r]) for r in regimes}
     return {
+        "window": window,
+        "window_mape": window_mape,
         "persistence_mape": _persistence(preds, ckpts),
         "fit": fit,
         "raw_fit": raw,
@@ -245,6 +256,13 @@ def _print_scores(result: Mapping[str, Any]) -> None:
         f"around the fit's one state); BIC "
         + ", ".join(f"{f} {x.bic:.0f}" for f, x in result["fits"].items())
     )
+    if result["window_mape"]:
+        tried = ", ".join(f"{w}: {m:.1f}%" for w, m in result["window_mape"].items())
+        print(
+            f"state from the job's last {result['window']} checkpoints (chosen on the training part: {tried})"
+        )
+    else:
+        print(f"state from the job's last {result['window']} checkpoints")
     print()
     print("| regime | test checkpoints | MAPE typical | MdAPE typical | p90 slowest coverage | pinball (s) |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -346,7 +364,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", type=int, default=None, help="the first ONLY configurations (development)")
     parser.add_argument("--fraction", type=float, default=0.5, help="the forward split's training share")
-    parser.add_argument("--window", type=int, default=4, help="previous checkpoints the state comes from")
+    parser.add_argument(
+        "--window", type=int, default=0,
+        help="previous checkpoints the state comes from (default 0: chosen on the training part)",
+    )  # fmt: skip
     parser.add_argument("--plot", default=None, help="write a PNG of predicted against observed here")
     parser.add_argument(
         "--latency", action=argparse.BooleanOptionalAction, default=True,

@@ -10,6 +10,7 @@ from shoal.model import coverage, forward_split, mape, mdape, pinball_loss
 from shoal.model.evaluate import (
     Checkpoint,
     calibrated_fit,
+    choose_window,
     forward_predictions,
     history,
     prediction_scores,
@@ -107,3 +108,21 @@ def test_forward_predictions_follow_the_tiers_state_and_cover_their_quantile() -
     assert late[-1].state.b_shared == pytest.approx(100 * MB, rel=0.2)
     with pytest.raises(ConfigError, match="no predictions"):
         prediction_scores([])
+
+
+def test_the_window_is_chosen_by_how_well_it_predicted_the_training_part() -> None:
+    # the tier's share flips every 3 checkpoints: the last checkpoint alone predicts best
+    rng = np.random.default_rng(5)
+    train = []
+    for j in range(60):
+        model = WriterFit("lognormal", 50 * MB, (200 * MB, 60 * MB)[(j // 3) % 2], 0.05, 0.02, 0.0, 0)
+        samples = tuple(
+            WriterSample(j, s.nbytes, s.seconds, 8, j + s.seconds)
+            for s in model.simulate(rng, [8 * MB] * 8, 1)
+        )
+        train.append(Checkpoint("a", samples, float(j), j + max(s.seconds for s in samples)))
+    fit = fit_writers([s for c in train for s in c.samples])
+    window, scores = choose_window(fit, train, (1, 2, 8))
+    assert window == 1 and set(scores) == {1, 2, 8} and scores[1] < scores[8]
+    with pytest.raises(ConfigError, match="windows must be"):
+        choose_window(fit, train, ())

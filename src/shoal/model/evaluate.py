@@ -25,6 +25,7 @@ __all__ = [
     "Checkpoint",
     "Prediction",
     "calibrated_fit",
+    "choose_window",
     "coverage",
     "forward_predictions",
     "forward_split",
@@ -176,6 +177,30 @@ def calibrated_fit(fit: WriterFit, train: Sequence[Checkpoint], *, window: int) 
     if not pairs:
         return fit
     return calibrate_spread(fit, [(state, c.samples) for c, state in pairs])
+
+
+def choose_window(
+    fit: WriterFit, train: Sequence[Checkpoint], windows: Sequence[int] = (1, 2, 4, 8)
+) -> tuple[int, dict[int, float]]:
+    """The history length whose states predict ``train``'s typical writers best (lowest MAPE).
+
+    How many recent checkpoints the tier's state should come from is a trade: few follow a
+    change of load or weather sooner, many average out each checkpoint's shared luck ``g``.
+    Which wins depends on how fast the tier changes, which only its records tell: each window
+    is scored by the MAPE of the typical writer over the training checkpoints, each predicted
+    from its own job's previous ones. Returns the best window and every window's MAPE.
+    """
+    if not windows or min(windows) < 1:
+        raise ConfigError(f"windows must be history lengths >= 1, got {list(windows)!r}")
+    scores = {}
+    for w in windows:
+        pairs = _states(fit, train, train, w)
+        if pairs:
+            predicted = [fit.typical(float(np.median(c.sizes)), c.writers, st) for c, st in pairs]
+            scores[w] = mape(predicted, [c.typical_seconds for c, _ in pairs])
+    if not scores:
+        raise ConfigError("no training checkpoint has a history to predict it from")
+    return min(scores, key=lambda w: (scores[w], w)), scores
 
 
 def forward_predictions(
