@@ -13,9 +13,12 @@ import shoal
 from shoal import failpoints
 from shoal.boundary import Boundary
 from shoal.engine.events import monotonic, read_events
-from shoal.engine.exposure_log import read_run_log
+from shoal.engine.exposure_log import measure_paths, read_run_log
 from shoal.engine.handle import SaveHandle
+from shoal.errors import ShoalError
+from shoal.testing import scenarios
 from shoal.testing.checkpoints import make_config
+from shoal.testing.multiproc import run_ranks
 
 # -- SaveHandle's listeners -------------------------------------------------------------------------
 
@@ -141,3 +144,23 @@ def test_a_skipped_save_is_not_a_checkpoint(tmp_path: Path, dram_root: Path) -> 
     assert exposure["cluster"].protected_step == 1 and exposure["cluster"].steps == 0
     assert path is not None
     assert [c.step for c in read_run_log(path).checkpoints] == [1]
+
+
+@pytest.mark.timeout(300)
+def test_only_the_coordinator_logs_exposure_and_its_log_reads_back(tmp_path: Path) -> None:
+    results = run_ranks(
+        scenarios.frozen_second_checkpoint, hosts=["h0", "h1"], kwargs={"root": str(tmp_path)}
+    )
+    assert [h["error"] for r in results for h in r["handles"]] == [None] * 4
+    logs = {p.parts[-4]: str(p) for p in (tmp_path / "local").rglob("events.jsonl")}
+    assert sorted(logs) == ["h0", "h1"]
+    exposures = [e for host in logs.values() for e in read_events(host, kinds=["exposure"])]
+    assert exposures and {e.rank for e in exposures} == {0}
+    assert [e["boundary"] for e in exposures if e.step == 2] == [b.name for b in Boundary]
+    log = read_run_log(logs["h0"])
+    assert [(c.step, c.durability_path) for c in log.checkpoints] == [(1, "partner"), (2, "partner")]
+    assert log.timeline()["cluster"].at_end.protected_step == 2
+    partner = measure_paths(log)["partner"]
+    assert partner.lags["host"].lag_s <= partner.lags["cluster"].lag_s
+    with pytest.raises(ShoalError, match="no events of rank 0"):
+        read_run_log(logs["h1"])
