@@ -6,8 +6,9 @@ this process's lock and run (:mod:`shoal.engine.hoststate`), its tiers, the topo
 background fabric, the DRAM slot ring, the pipeline and the restore context. Its public
 methods are the save session (check a new step, stage, attach DCP's metadata, submit,
 abort; the gates of saves made through DCP directly) and the load session (arrive, begin a
-restore), plus ``latest``, ``wait`` and ``close``. Which ranks call what, and in which
-order, is said on each method; "collective" means every rank calls it, in the same order.
+restore), plus ``latest``, ``exposure`` (local, never blocks), ``wait`` and ``close``. Which ranks
+call what, and in which order, is said on each method; "collective" means every rank calls it, in
+the same order.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class Runtime:
         if path_policy is not None and not isinstance(path_policy, PathPolicy):
             raise ConfigError(f"path_policy must have a decide(context) method, got {path_policy!r}")
         self.path_policy: PathPolicy = path_policy or default_policy(cfg.path)
-        """Decides each checkpoint's path on the coordinator (default: :func:`~shoal.engine.path.default_policy`)."""
+        """Decides each checkpoint's path on the coordinator (default:
+        :func:`~shoal.engine.path.default_policy`)."""
         self.closed = True  # until construction completes: close() then has nothing to do
         self._host_lock = HostLock(cfg.dram, cfg.job, self.host, self.rank)
         rank_hosts, domains = self._claim_host(cfg)
