@@ -25,6 +25,7 @@ import torch.distributed as dist
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.engine.events import read_events
+from shoal.engine.handle import SaveHandle
 from shoal.testing.cluster_bench import prepare_bucket
 from shoal.testing.cluster_scenarios import cluster_config, cluster_state
 
@@ -53,7 +54,7 @@ def path_run(
     state = cluster_state(rank, model_mib=model_mib, shard_mib=shard_mib)
     overrides = {"path": path, "job": job, "keep_last": 2, **(config or {})}
     cfg = cluster_config(bucket=bucket, dram_root=dram_root, local_root=local_root, **overrides)
-    handles = []
+    handles: list[tuple[int, float, SaveHandle]] = []
     with Checkpointer(cfg) as ckpt:
         dist.barrier()
         start = time.monotonic()
