@@ -136,13 +136,21 @@ def _run_job(cluster: Any, job: JobSpec, index: int, saves: int, roots: Mapping[
     return {"index": index, "spec": job.__dict__, "records": records, "storage_timeline": timeline}
 
 
-def sweep(saves: int, rounds: int, only: int | None) -> dict[str, Any]:
-    """Run every configuration ``rounds`` times, each job on a fresh cluster; the raw records."""
+def sweep(saves: int, rounds: int, only: int | None, out: str) -> dict[str, Any]:
+    """Run every configuration ``rounds`` times, each job on a fresh cluster; the raw records.
+
+    What is done so far is written to ``out`` after every job (a sweep cut short keeps it)."""
     from shoal.testing.cluster import Cluster, ClusterSpec
 
     spec = ClusterSpec(JOB_HOSTS + TENANT_HOSTS, HOST_MBIT, HOST_MBIT, STORAGE_MBIT)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     jobs: list[dict[str, Any]] = []
+    data = {
+        "cluster": {"host_mbit": HOST_MBIT, "storage_mbit": STORAGE_MBIT, "hosts": spec.hosts},
+        "saves": saves,
+        "rounds": rounds,
+        "jobs": jobs,
+    }
     configs = SWEEP if only is None else SWEEP[:only]
     t0 = time.monotonic()
     for r in range(rounds):
@@ -164,12 +172,9 @@ def sweep(saves: int, rounds: int, only: int | None) -> dict[str, Any]:
                 file=sys.stderr,
                 flush=True,
             )
-    return {
-        "cluster": {"host_mbit": HOST_MBIT, "storage_mbit": STORAGE_MBIT, "hosts": spec.hosts},
-        "saves": saves,
-        "rounds": rounds,
-        "jobs": jobs,
-    }
+            with open(out, "w", encoding="utf-8") as f:
+                json.dump(data, f)
+    return data
 
 
 # -- the evaluation (pure over the saved records, no cluster) ---------------------------------
@@ -205,7 +210,14 @@ def _persistence(preds: list[Any], ckpts: list[Any]) -> float:
     return mape([h[0].typical_seconds for h, _ in pairs if h], [c.typical_seconds for h, c in pairs if h])
 
 
-def evaluate(data: Mapping[str, Any], fraction: float, window: int, latency: bool = True) -> dict[str, Any]:
+def evaluate(
+    data: Mapping[str, Any],
+    fraction: float,
+    window: int,
+    latency: bool = True,
+    target: str = "slowest",
+    spread_window: int = 8,
+) -> dict[str, Any]:
     """Fit on the first ``fraction`` of the checkpoints in time, predict the rest one by one."""
     from shoal.model.evaluate import (
         calibrated_fit,
@@ -222,8 +234,8 @@ def evaluate(data: Mapping[str, Any], fraction: float, window: int, latency: boo
     window_mape: dict[int, float] = {}
     if window < 1:  # chosen on the training checkpoints alone
         window, window_mape = choose_window(raw, train)
-    fit = calibrated_fit(raw, train, window=window)
-    preds = forward_predictions(fit, test, train, window=window)
+    fit = calibrated_fit(raw, train, window=window, target=target, spread_window=spread_window)
+    preds = forward_predictions(fit, test, train, window=window, spread_window=spread_window)
     regimes = sorted({p.checkpoint.regime for p in preds})
     per = {r: prediction_scores([p for p in preds if p.checkpoint.regime == r]) for r in regimes}
     return {
@@ -370,6 +382,15 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--plot", default=None, help="write a PNG of predicted against observed here")
     parser.add_argument(
+        "--calibrate", choices=("order", "slowest", "writers"), default="order",
+        help="refit the spread for predictions from recent states by each checkpoint's slowest writer "
+        "(sigma and tau, the default) or by every writer (tau)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--spread-window", type=int, default=8,
+        help="previous predictions whose errors set the state's spread of g (0: the fit's one spread)",
+    )  # fmt: skip
+    parser.add_argument(
         "--latency", action=argparse.BooleanOptionalAction, default=True,
         help="let BIC choose a fixed cost per write too (default: on)",
     )  # fmt: skip
@@ -384,11 +405,9 @@ def main() -> int:
         if why is not None:
             print(f"model_fidelity: {why}", file=sys.stderr)
             return 2
-        data = sweep(args.saves, args.rounds, args.only)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(data, f)
+        data = sweep(args.saves, args.rounds, args.only, args.out)
         print(f"raw samples: {args.out}", file=sys.stderr)
-    result = evaluate(data, args.fraction, args.window, args.latency)
+    result = evaluate(data, args.fraction, args.window, args.latency, args.calibrate, args.spread_window)
     _print_scores(result)
     _print_extrapolation(extrapolate(result["fit"], MIB, (64, 256, 1024)), MIB)
     if args.plot:

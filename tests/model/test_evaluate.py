@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -126,3 +128,19 @@ def test_the_window_is_chosen_by_how_well_it_predicted_the_training_part() -> No
     assert window == 1 and set(scores) == {1, 2, 8} and scores[1] < scores[8]
     with pytest.raises(ConfigError, match="windows must be"):
         choose_window(fit, train, ())
+
+
+def test_the_state_carries_the_spread_its_jobs_recent_predictions_showed() -> None:
+    # two jobs on one tier: one calm (tau 0.03), one bursty (tau 0.4); the fit has one tau for both
+    calm = WriterFit("lognormal", 50 * MB, 200 * MB, 0.05, 0.03, 0.0, 0)
+    bursty = replace(calm, tau=0.4)
+    ckpts = _job(calm, "calm", 8, 40, seed=6) + _job(bursty, "bursty", 8, 40, seed=7)
+    fit = fit_writers([s for c in ckpts for s in c.samples])
+    preds = forward_predictions(fit, ckpts, [], window=4, spread_window=8)
+    spreads = {
+        job: [p.state.tau for p in preds if p.checkpoint.job == job][-20:] for job in ("calm", "bursty")
+    }
+    assert all(t is not None for ts in spreads.values() for t in ts)
+    assert float(np.median(spreads["calm"])) < 0.08 < 0.25 < float(np.median(spreads["bursty"]))
+    # the first checkpoints have too few predicted ones before them: the fit's tau
+    assert preds[0].state.tau is None

@@ -191,3 +191,34 @@ def test_the_spread_around_estimated_states_is_what_the_states_leave_unexplained
     assert (calibrated.b_client, calibrated.sigma) == (one_state.b_client, one_state.sigma)
     with pytest.raises(ConfigError, match="at least one"):
         calibrate_spread(one_state, [])
+
+
+def test_a_state_that_carries_its_own_spread_widens_or_narrows_the_prediction() -> None:
+    model = TRUE["lognormal"]  # tau 0.3
+    calm, bursty = TierState(model.b_shared, tau=0.05), TierState(model.b_shared, tau=0.6)
+    sizes = [SIZE] * 8
+    assert (
+        model.slowest_quantile(0.9, sizes, calm)
+        < model.slowest_quantile(0.9, sizes)
+        < model.slowest_quantile(0.9, sizes, bursty)
+    )
+    assert model.typical(SIZE, 8, calm) == pytest.approx(model.typical(SIZE, 8), rel=1e-6)  # the median stays
+    sim = model.simulate(np.random.default_rng(9), [SIZE], 4000, calm)
+    assert float(np.std(np.log([s.seconds for s in sim]))) == pytest.approx(math.hypot(0.15, 0.05), rel=0.05)
+
+
+@pytest.mark.parametrize("family", ["lognormal", "gamma"])
+def test_the_writers_own_spread_is_read_from_the_gap_between_median_and_slowest(family: str) -> None:
+    # the states given are the true ones: sigma from the order statistics, tau from the slowest
+    true = WriterFit(family, 50 * MB, 200 * MB, 0.1, 0.2, 0.0, 0)
+    rng = np.random.default_rng(14)
+    pairs = [(true.state(), true.simulate(rng, [SIZE] * n, 1)) for n in (4, 8, 16) for _ in range(60)]
+    rough = replace(true, sigma=0.3, tau=0.5)  # where a fit of every writer might have put them
+    by_order = calibrate_spread(rough, pairs, target="order")
+    assert by_order.sigma == pytest.approx(0.1, rel=0.15) and by_order.tau == pytest.approx(0.2, rel=0.25)
+    by_slowest = calibrate_spread(rough, pairs, target="slowest")
+    assert by_slowest.sigma == pytest.approx(0.1, rel=0.3) and by_slowest.tau == pytest.approx(0.2, rel=0.25)
+    own = [(TierState(s.b_shared, tau=0.2), w) for s, w in pairs]  # states with their own spread: sigma alone
+    assert calibrate_spread(rough, own, target="order").tau == rough.tau
+    with pytest.raises(ConfigError, match="target must be"):
+        calibrate_spread(rough, pairs, target="median")

@@ -12,6 +12,7 @@ checkpoints (their records ended before it started), never from anything the job
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -151,32 +152,92 @@ def history(checkpoints: Sequence[Checkpoint], target: Checkpoint, window: int) 
     return sorted(past, key=lambda c: c.end)[-window:] if window > 0 else []
 
 
+MIN_SPREAD = 0.02
+"""The least spread of g a state's own records may set (a few quiet checkpoints prove no calm)."""
+
+
 def _states(
-    fit: WriterFit, checkpoints: Sequence[Checkpoint], pool: Sequence[Checkpoint], window: int
+    fit: WriterFit,
+    checkpoints: Sequence[Checkpoint],
+    pool: Sequence[Checkpoint],
+    window: int,
+    spread_window: int = 0,
 ) -> list[tuple[Checkpoint, TierState]]:
-    """Each of ``checkpoints`` with a history in ``pool``, and the state its history gives."""
+    """Each of ``checkpoints`` with a history in ``pool``, and the state its history gives.
+
+    With ``spread_window`` the state also carries the spread of g its job's recent predictions
+    showed (:func:`_spread`), when at least 3 of its last ``spread_window`` checkpoints were
+    themselves predicted."""
+    residuals: dict[int, tuple[float, int] | None] = {}
+
+    def rate_state(c: Checkpoint) -> TierState | None:
+        past = history(pool, c, window)
+        return estimate_state(fit, [s for p in past for s in p.samples]) if past else None
+
+    def residual(c: Checkpoint) -> tuple[float, int] | None:
+        if id(c) not in residuals:
+            state = rate_state(c)
+            residuals[id(c)] = None
+            if state is not None:
+                predicted = fit.typical(float(np.median(c.sizes)), c.writers, state)
+                residuals[id(c)] = (math.log(c.typical_seconds / predicted), len(c.samples))
+        return residuals[id(c)]
+
     out = []
     for c in checkpoints:
-        past = history(pool, c, window)
-        if past:
-            out.append((c, estimate_state(fit, [s for p in past for s in p.samples])))
+        state = rate_state(c)
+        if state is None:
+            continue
+        if spread_window > 0:
+            seen = [r for p in history(pool, c, spread_window) if (r := residual(p)) is not None]
+            if len(seen) >= 3:
+                state = TierState(state.b_shared, _spread(fit, seen))
+        out.append((c, state))
     return out
 
 
-def calibrated_fit(fit: WriterFit, train: Sequence[Checkpoint], *, window: int) -> WriterFit:
+def _spread(fit: WriterFit, residuals: Sequence[tuple[float, int]]) -> float:
+    """The spread of g that recent log-errors of the typical writer (and their writer counts) show.
+
+    Each error is g's own deviation plus the median writer's luck, whose variance is about
+    ``(pi / 2) sigma^2 / n`` for ``n`` writers: that part is taken out, and the spread is kept
+    at least :data:`MIN_SPREAD`.
+    """
+    errors = np.array([r for r, _ in residuals])
+    luck = np.array([math.pi / 2 * fit.sigma**2 / n for _, n in residuals])
+    return math.sqrt(max(float(np.mean(errors**2 - luck)), MIN_SPREAD**2))
+
+
+def calibrated_fit(
+    fit: WriterFit,
+    train: Sequence[Checkpoint],
+    *,
+    window: int,
+    target: str = "writers",
+    spread_window: int = 0,
+) -> WriterFit:
     """``fit`` with the spread of its shared term as a forward prediction over ``train`` sees it.
 
     Each training checkpoint with a history gets the state its job's previous ``window``
     checkpoints give (:func:`~shoal.model.writers.estimate_state`), and ``tau`` is refitted
-    around those states (:func:`~shoal.model.writers.calibrate_spread`): the predicted
+    around those states (:func:`~shoal.model.writers.calibrate_spread`, with its ``target``:
+    every writer, or each checkpoint's slowest, which refits ``sigma`` too): the predicted
     quantiles then carry the error of a state estimated from a few recent records, as
     :func:`forward_predictions` uses them. ``fit`` itself is returned when no checkpoint has a
-    history.
+    history. With ``spread_window`` (and ``target="slowest"``), ``sigma`` is then refitted once
+    more with each checkpoint's state carrying the spread of g its recent records showed, as
+    :func:`forward_predictions` with that ``spread_window`` predicts; the fit's ``tau`` stays for
+    states without one.
     """
     pairs = _states(fit, train, train, window)
     if not pairs:
         return fit
-    return calibrate_spread(fit, [(state, c.samples) for c, state in pairs])
+    fit = calibrate_spread(fit, [(state, c.samples) for c, state in pairs], target=target)
+    if spread_window <= 0 or target == "writers":
+        return fit
+    own = [(state, c.samples) for c, state in _states(fit, train, train, window, spread_window)]
+    own = [(state, samples) for state, samples in own if state.tau is not None]
+    return calibrate_spread(fit, own, target=target) if own else fit
 
 
 def choose_window(
@@ -210,6 +271,7 @@ def forward_predictions(
     *,
     window: int,
     q: float = 0.9,
+    spread_window: int = 0,
 ) -> list[Prediction]:
     """Predict each of ``tests`` as a running job would, just before it started.
 
@@ -217,10 +279,11 @@ def forward_predictions(
     ``window`` checkpoints that ended before the test began (from ``seen`` and ``tests``
     alike: by then they were the job's own history); a checkpoint with no such history is left
     out. Predicts the typical writer (median size, the checkpoint's writer count) and the ``q``
-    quantile of the slowest of its writers.
+    quantile of the slowest of its writers. With ``spread_window`` the state also carries the
+    spread of g the job's last ``spread_window`` predictions showed (when there were 3 or more).
     """
     out = []
-    for c, state in _states(fit, tests, list(seen) + list(tests), window):
+    for c, state in _states(fit, tests, list(seen) + list(tests), window, spread_window):
         size = float(np.median(c.sizes))
         out.append(
             Prediction(c, state, fit.typical(size, c.writers, state), fit.slowest_quantile(q, c.sizes, state))

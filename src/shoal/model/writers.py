@@ -76,6 +76,9 @@ class TierState:
 
     b_shared: float
     """Bytes per second the tier gives all writers together now, ``B (1 - rho)``."""
+    tau: float | None = None
+    """The spread of the shared term ``g`` now, when the records tell it (a bursty tier is bursty
+    for a while); None: the fit's ``tau``."""
 
 
 @dataclass(frozen=True)
@@ -255,7 +258,10 @@ def estimate_state(fit: WriterFit, recent: Sequence[WriterSample]) -> TierState:
 
 
 def calibrate_spread(
-    fit: WriterFit, checkpoints: Sequence[tuple[TierState, Sequence[WriterSample]]]
+    fit: WriterFit,
+    checkpoints: Sequence[tuple[TierState, Sequence[WriterSample]]],
+    *,
+    target: str = "writers",
 ) -> WriterFit:
     """``fit`` with ``tau`` refitted as the spread of ``g`` around states estimated beforehand.
 
@@ -264,12 +270,22 @@ def calibrate_spread(
     is in it. A running job predicts instead from a state estimated from its own recent records
     (:func:`estimate_state`), which follows such changes, but late and with noise. The spread a
     prediction should carry is that of ``g`` around the state it was given: ``checkpoints`` pairs
-    each checkpoint's writers with the state estimated before it ran, and ``tau`` is refitted by
-    maximum likelihood over them (``b_client`` and ``sigma`` kept). Raises
-    :class:`~shoal.errors.ConfigError` for no checkpoints or bad samples.
+    each checkpoint's writers with the state estimated before it ran.
+
+    ``target="writers"`` refits ``tau`` by maximum likelihood of every writer (``b_client`` and
+    ``sigma`` kept). ``target="slowest"`` refits ``sigma`` and ``tau`` by maximum likelihood of
+    each checkpoint's slowest writer under the model's own distribution of the slowest
+    (:meth:`WriterFit.slowest_cdf`'s density; ``sigma`` alone where every state carries its own
+    ``tau``): for when the writers' spread within a checkpoint
+    is not the family's (writers that started late and so finished early make a long tail
+    below the median, which a fit of every writer reads as one above it too, and so over-predicts
+    the slowest). Raises :class:`~shoal.errors.ConfigError` for no checkpoints, bad samples or an
+    unknown target.
     """
     if not checkpoints:
         raise ConfigError("calibrate_spread needs at least one (state, writers) checkpoint, got none")
+    if target not in ("writers", "slowest", "order"):
+        raise ConfigError(f"target must be 'writers', 'slowest' or 'order', got {target!r}")
     samples, shares = [], []
     for j, (state, writers) in enumerate(checkpoints):
         samples.extend(WriterSample(j, s.nbytes, s.seconds, s.writers, s.t) for s in writers)
@@ -277,6 +293,10 @@ def calibrate_spread(
     d = _Data.of(samples)  # rows sorted by checkpoint, and so by the order of ``shares``
     b_shared = np.array(shares, dtype=float)[np.argsort([s.checkpoint for s in samples], kind="stable")]
     m = _m(d.nbytes, d.writers, fit.b_client, b_shared, fit.latency)
+    if target in ("slowest", "order"):
+        own = [state.tau for state, _ in checkpoints]
+        taus = None if any(t is None for t in own) else np.array(own, dtype=float)
+        return (_calibrate_slowest if target == "slowest" else _calibrate_order)(fit, d, m, taus)
     loglik = _LOGLIK[fit.family]
 
     def neg(log_tau: float) -> float:
@@ -285,6 +305,117 @@ def calibrate_spread(
 
     found = optimize.minimize_scalar(neg, bounds=(math.log(1e-4), math.log(5.0)), method="bounded")
     return replace(fit, tau=math.exp(float(found.x)))
+
+
+_SLOWEST_POINTS = 161
+"""Grid points over g (+- 6 tau) for the slowest writer's likelihood."""
+
+
+def _slowest_loglik(family: str, d: _Data, m: np.ndarray, sigma: float, tau: Any) -> float:
+    """Sum over checkpoints of ln(density of their slowest writer's time), g integrated on a grid.
+
+    The slowest of writers with cdfs F_i and densities f_i has density
+    ``sum_i f_i(t) prod_{k != i} F_k(t)`` given g, at its time t; all rows of a checkpoint are
+    evaluated at that checkpoint's slowest time. ``tau``: one spread, or one per checkpoint.
+    """
+    t = np.maximum.reduceat(d.seconds, d.starts[:-1])[d.group]  # each row: its checkpoint's slowest
+    z = np.linspace(-6.0, 6.0, _SLOWEST_POINTS)  # g = tau z
+    log_w = stats.norm.logpdf(z)
+    log_w -= special.logsumexp(log_w)
+    taus = np.broadcast_to(np.asarray(tau, dtype=float), (len(d.starts) - 1,))
+    mu = m[:, None] + taus[d.group][:, None] * z[None, :]  # rows x grid
+    if family == "lognormal":
+        x = (np.log(t)[:, None] - mu) / sigma
+        log_cdf = special.log_ndtr(x)
+        log_pdf = stats.norm.logpdf(x) - math.log(sigma) - np.log(t)[:, None]
+    else:
+        k = 1.0 / (sigma * sigma)
+        y = k * t[:, None] * np.exp(-mu)
+        log_cdf = np.log(np.clip(special.gammainc(k, y), 1e-300, 1.0))
+        log_pdf = k * math.log(k) - special.gammaln(k) + (k - 1) * np.log(t)[:, None] - k * mu - y
+    all_below = np.add.reduceat(log_cdf, d.starts[:-1], axis=0)  # checkpoints x grid
+    hazard_sum = np.add.reduceat(np.exp(np.minimum(log_pdf - log_cdf, 700.0)), d.starts[:-1], axis=0)
+    per = special.logsumexp(all_below + np.log(np.maximum(hazard_sum, 1e-300)) + log_w[None, :], axis=1)
+    return float(per.sum())
+
+
+def _calibrate_order(fit: WriterFit, d: _Data, m: np.ndarray, taus: np.ndarray | None) -> WriterFit:
+    """``sigma`` from the gap between each checkpoint's median and slowest writer, then ``tau`` by
+    the likelihood of each checkpoint's slowest writer (unless the states carry their own)."""
+    sigma = _sigma_from_order(fit.family, d, m) or fit.sigma
+    if taus is not None:
+        return replace(fit, sigma=sigma)
+
+    def neg(log_tau: float) -> float:
+        value = _slowest_loglik(fit.family, d, m, sigma, math.exp(log_tau))
+        return -value if math.isfinite(value) else 1e300
+
+    found = optimize.minimize_scalar(neg, bounds=(math.log(1e-4), math.log(5.0)), method="bounded")
+    return replace(fit, sigma=sigma, tau=math.exp(float(found.x)))
+
+
+def _calibrate_slowest(fit: WriterFit, d: _Data, m: np.ndarray, taus: np.ndarray | None) -> WriterFit:
+    """``fit`` with ``sigma`` and ``tau`` of the best likelihood of each checkpoint's slowest writer.
+
+    With ``taus`` (each checkpoint's state's own spread of g) only ``sigma`` is refitted."""
+
+    def neg(theta: np.ndarray) -> float:
+        sigma, tau = np.exp(np.clip(theta, -12.0, 3.0)).tolist() + [0.0] * (2 - len(theta))
+        value = _slowest_loglik(fit.family, d, m, sigma, tau if taus is None else taus)
+        return -value if math.isfinite(value) else 1e300
+
+    if taus is not None:
+        found = optimize.minimize_scalar(lambda x: neg(np.array([x])), bounds=(-9.0, 1.5), method="bounded")
+        return replace(fit, sigma=math.exp(float(found.x)))
+    x0 = np.log([fit.sigma, max(fit.tau, 1e-3)])
+    found = optimize.minimize(neg, x0, method="Nelder-Mead", options={"xatol": 1e-5, "fatol": 1e-7})
+    sigma, tau = (float(v) for v in np.exp(found.x))
+    return replace(fit, sigma=sigma, tau=tau)
+
+
+_ORDER_DRAWS = 2000
+"""Draws per writer count for the model's spread between a checkpoint's median and slowest writer."""
+
+
+def _order_gap(family: str, sigma: float, offsets: np.ndarray, u: np.ndarray) -> float:
+    """E[ln(slowest / median)] of writers whose ``ln(S / b_eff)`` differ by ``offsets`` (g cancels).
+
+    ``u``: uniform draws, one row per draw and a column per writer (common to every ``sigma``)."""
+    if family == "lognormal":
+        x = sigma * special.ndtri(u)
+    else:
+        k = 1.0 / (sigma * sigma)
+        x = np.log(np.maximum(special.gammaincinv(k, u) / k, 1e-300))
+    x = x + offsets[None, :]
+    return float(np.mean(x.max(axis=1) - np.median(x, axis=1)))
+
+
+def _sigma_from_order(family: str, d: _Data, m: np.ndarray) -> float | None:
+    """The ``sigma`` whose gap between a checkpoint's median and slowest writer matches the records'.
+
+    ``ln(slowest / median)`` within one checkpoint does not depend on ``g`` nor on the tier's
+    state: it is the writers' own spread, in the part of it that decides when a checkpoint is
+    done. Checkpoints of one writer say nothing of it; None when every checkpoint has one.
+    """
+    groups: dict[tuple[float, ...], list[float]] = {}
+    for lo, hi in zip(d.starts[:-1], d.starts[1:], strict=True):
+        if hi - lo < 2:
+            continue
+        t = np.log(d.seconds[lo:hi])
+        offsets = tuple(np.round(m[lo:hi] - m[lo:hi].mean(), 6))
+        groups.setdefault(offsets, []).append(float(t.max() - np.median(t)))
+    if not groups:
+        return None
+    rng = np.random.default_rng(0)
+    u = rng.uniform(1e-12, 1 - 1e-12, (_ORDER_DRAWS, max(len(k) for k in groups)))
+    keys = [(np.array(k), len(v), float(np.mean(v))) for k, v in groups.items()]
+
+    def loss(log_sigma: float) -> float:
+        sigma = math.exp(log_sigma)
+        return sum(n * (seen - _order_gap(family, sigma, o, u[:, : len(o)])) ** 2 for o, n, seen in keys)
+
+    found = optimize.minimize_scalar(loss, bounds=(math.log(1e-3), math.log(3.0)), method="bounded")
+    return math.exp(float(found.x))
 
 
 def choose_family(
@@ -344,9 +475,14 @@ class WriterFit:
         k = 1.0 / (self.sigma * self.sigma)
         return np.asarray(special.gammainc(k, k * t * np.exp(-(m + g))))
 
-    def _grid(self) -> tuple[np.ndarray, np.ndarray]:
-        g = np.linspace(-8 * self.tau, 8 * self.tau, _G_POINTS)
-        w = stats.norm.pdf(g, scale=self.tau)
+    def _tau(self, state: TierState | None) -> float:
+        """The spread of g a prediction in ``state`` carries: the state's own, else the fit's."""
+        return self.tau if state is None or state.tau is None else state.tau
+
+    def _grid(self, state: TierState | None = None) -> tuple[np.ndarray, np.ndarray]:
+        tau = self._tau(state)
+        g = np.linspace(-8 * tau, 8 * tau, _G_POINTS)
+        w = stats.norm.pdf(g, scale=tau)
         return g, w / w.sum()
 
     def slowest_cdf(self, t: float, sizes: Sequence[float], state: TierState | None = None) -> float:
@@ -354,7 +490,7 @@ class WriterFit:
         if t <= 0:
             return 0.0
         n = len(sizes)
-        g, w = self._grid()
+        g, w = self._grid(state)
         log_all = np.zeros_like(g)
         for size in sizes:
             log_all += np.log(np.clip(self._cdf_given_g(t, self._m(size, n, state), g), 1e-300, 1.0))
@@ -366,25 +502,25 @@ class WriterFit:
             raise ConfigError(f"quantile q must be in (0, 1), got {q!r}")
         if not sizes or min(sizes) <= 0:
             raise ConfigError(f"sizes must be positive byte counts, one per writer, got {list(sizes)!r}")
-        return self._invert(
-            lambda t: self.slowest_cdf(t, sizes, state), q, math.exp(self._m(max(sizes), len(sizes), state))
-        )
+        scale = math.exp(self._m(max(sizes), len(sizes), state))
+        return self._invert(lambda t: self.slowest_cdf(t, sizes, state), q, scale, self._tau(state))
 
     def writer_quantile(self, q: float, nbytes: float, writers: int, state: TierState | None = None) -> float:
         """The ``q`` quantile of one writer's time (g and its own luck both unknown)."""
         if not 0 < q < 1:
             raise ConfigError(f"quantile q must be in (0, 1), got {q!r}")
         m = self._m(nbytes, writers, state)
-        g, w = self._grid()
-        return self._invert(lambda t: float(np.dot(w, self._cdf_given_g(t, m, g))), q, math.exp(m))
+        g, w = self._grid(state)
+        cdf = lambda t: float(np.dot(w, self._cdf_given_g(t, m, g)))  # noqa: E731
+        return self._invert(cdf, q, math.exp(m), self._tau(state))
 
     def typical(self, nbytes: float, writers: int, state: TierState | None = None) -> float:
         """The typical (median) writer's time, seconds."""
         return self.writer_quantile(0.5, nbytes, writers, state)
 
-    def _invert(self, f: Callable[[float], float], q: float, scale: float) -> float:
+    def _invert(self, f: Callable[[float], float], q: float, scale: float, tau: float) -> float:
         """The t where the increasing ``f(t) = P(T <= t)`` reaches ``q`` (``scale``: a typical t)."""
-        spread = 8.0 * (self.sigma + self.tau) + 1.0
+        spread = 8.0 * (self.sigma + tau) + 1.0
         lo, hi = math.log(scale) - spread, math.log(scale) + spread
         while f(math.exp(hi)) < q:
             hi += spread
@@ -404,7 +540,7 @@ class WriterFit:
         m = np.log(self.latency + np.asarray(sizes, dtype=float) / self.b_eff(n, state))
         out: list[WriterSample] = []
         for j in range(checkpoints):
-            g = rng.normal(0.0, self.tau)
+            g = rng.normal(0.0, self._tau(state))
             if self.family == "lognormal":
                 times = np.exp(m + g + rng.normal(0.0, self.sigma, n))
             else:
