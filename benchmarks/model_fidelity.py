@@ -234,12 +234,17 @@ def evaluate(
     window_mape: dict[int, float] = {}
     if window < 1:  # chosen on the training checkpoints alone
         window, window_mape = choose_window(raw, train)
-    fit = calibrated_fit(raw, train, window=window, target=target, spread_window=spread_window)
+    fit = (
+        raw
+        if target == "none"
+        else calibrated_fit(raw, train, window=window, target=target, spread_window=spread_window)
+    )
     preds = forward_predictions(fit, test, train, window=window, spread_window=spread_window)
     regimes = sorted({p.checkpoint.regime for p in preds})
     per = {r: prediction_scores([p for p in preds if p.checkpoint.regime == r]) for r in regimes}
     return {
         "window": window,
+        "target": target if target == "none" else f"calibrated by {target}, spread window {spread_window}",
         "window_mape": window_mape,
         "persistence_mape": _persistence(preds, ckpts),
         "fit": fit,
@@ -259,14 +264,16 @@ def _rate(b: float) -> str:
 
 
 def _print_scores(result: Mapping[str, Any]) -> None:
-    fit = result["fit"]
+    fit, raw = result["fit"], result["raw_fit"]
     print(
         f"fit ({fit.family}, on {result['train']} checkpoints, {fit.n} writers): b_client "
         f"{_rate(fit.b_client)}, b_shared {fit.b_shared / 1e6:.1f} MB/s, latency "
-        f"{fit.latency * 1e3:.1f} ms, sigma {fit.sigma:.3f}, "
-        f"tau {fit.tau:.3f} (calibrated for states from recent records; {result['raw_fit'].tau:.3f} "
-        f"around the fit's one state); BIC "
+        f"{fit.latency * 1e3:.1f} ms, sigma {raw.sigma:.3f}, tau {raw.tau:.3f}; BIC "
         + ", ".join(f"{f} {x.bic:.0f}" for f, x in result["fits"].items())
+    )
+    print(
+        f"spreads for predictions from states estimated from recent records ({result['target']}): "
+        f"sigma {fit.sigma:.3f}, tau {fit.tau:.3f} (where a state has no spread of its own)"
     )
     if result["window_mape"]:
         tried = ", ".join(f"{w}: {m:.1f}%" for w, m in result["window_mape"].items())
@@ -304,7 +311,7 @@ def extrapolate(fit: Any, nbytes: float, counts: tuple[int, ...], seed: int = 0)
     rng = np.random.default_rng(seed)
     rows = []
     for n in counts:
-        draws = max(500, 200_000 // n)
+        draws = max(2000, 200_000 // n)
         sizes = [nbytes] * n
         sim = fit.simulate(rng, sizes, draws)
         slowest = np.array([s.seconds for s in sim]).reshape(draws, n).max(axis=1)
@@ -382,9 +389,10 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--plot", default=None, help="write a PNG of predicted against observed here")
     parser.add_argument(
-        "--calibrate", choices=("order", "slowest", "writers"), default="order",
+        "--calibrate", choices=("order", "slowest", "writers", "none"), default="order",
         help="refit the spread for predictions from recent states by each checkpoint's slowest writer "
-        "(sigma and tau, the default) or by every writer (tau)",
+        "(sigma and tau), by the gap between its median and slowest writer (sigma, then tau: the default), "
+        "by every writer (tau), or not at all",
     )  # fmt: skip
     parser.add_argument(
         "--spread-window", type=int, default=8,

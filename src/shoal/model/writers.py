@@ -2,7 +2,7 @@
 
 The model, for writer ``i`` of checkpoint ``j`` writing ``S_ij`` bytes with ``N_j`` writers::
 
-    m_ij  = ln(S_ij / b_eff(N_j)),   b_eff(N) = min(b_client, b_shared / N)
+    m_ij  = ln(latency + S_ij / b_eff(N_j)),   b_eff(N) = min(b_client, b_shared / N)
     ln T_ij = m_ij + g_j + e_ij      (lognormal writers: e_ij ~ N(0, sigma^2))
     T_ij | g_j ~ Gamma(k, exp(m_ij + g_j) / k),  k = 1 / sigma^2      (gamma writers)
     g_j ~ N(0, tau^2), shared by the writers of one checkpoint
@@ -20,6 +20,12 @@ gamma ones); :func:`choose_family` fits both and keeps the one with the lower BI
 :class:`WriterFit` predicts, for any ``N``, ``S`` and :class:`TierState`, the typical (median)
 writer and the quantiles of the slowest of ``N`` writers:
 ``P(max_i T_i <= t) = E_g[prod_i F_i(t | g)]``, integrated over ``g`` on a fine grid.
+
+``latency`` (a fixed cost per write) is 0 unless fitted (``fit_writers(latency=True)``; BIC
+decides in ``choose_family(latency=True)``). :func:`estimate_state` gives the tier's present
+``b_shared`` from a job's own recent records; :func:`calibrate_spread` refits the spreads a
+prediction from such an estimated state should carry (a :class:`TierState` may also carry its
+own ``tau``, the spread of ``g`` the job saw lately).
 
 Pure: numpy and scipy over plain numbers; no I/O.
 """
