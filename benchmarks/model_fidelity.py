@@ -10,11 +10,13 @@ runs ``--rounds`` times over every configuration (each round after the previous 
 forward split in time has every regime on both sides. Raw drain-pack records go to ``--out``.
 
 The evaluation (also alone, ``--from JSON``): checkpoints in time order, the first ``--fraction``
-fitted (:func:`~shoal.model.writers.choose_family`, then the spread of the tier's shared term
-calibrated for states estimated from a job's recent records), the rest predicted one by one.
-Each test checkpoint's tier state comes from :func:`~shoal.model.writers.estimate_state` over the
-same job's ``--window`` previous checkpoints (records that ended before it started): only what a
-production run sees. The harness's knobs (true load, true rates) only label the regimes.
+fitted (:func:`~shoal.model.writers.choose_family`, with and without a fixed cost per write;
+then the spreads calibrated for predictions from estimated states, ``--calibrate``), the rest
+predicted one by one. Each test checkpoint's tier state comes from
+:func:`~shoal.model.writers.estimate_state` over the same job's ``--window`` previous checkpoints
+(records that ended before it started; by default the window is chosen on the training part),
+and carries the spread of ``g`` its job's last ``--spread-window`` prediction errors showed:
+only what a production run sees. The harness's knobs (true load, true rates) only label the regimes.
 Scores: MAPE and MdAPE of the typical (median) writer, coverage and pinball loss of the predicted
 p90 of the slowest writer, overall and per regime; and for N beyond the sweep the model's slowest
 quantiles against a Monte Carlo of the fitted model (its own consistency). ``--plot PNG`` draws
@@ -65,10 +67,12 @@ class JobSpec:
 
     @property
     def writers(self) -> int:
+        """N: the checkpoint's writers on the tier at once."""
         return self.hosts * self.ranks_per_host * self.streams
 
     @property
     def writer_mib(self) -> float:
+        """S: each writer's MiB."""
         return self.shard_mib / self.streams
 
 
@@ -120,6 +124,7 @@ def _conditions(cluster: Any, job: JobSpec, seed: int) -> Iterator[list[tuple[fl
 
 
 def _run_job(cluster: Any, job: JobSpec, index: int, saves: int, roots: Mapping[str, str]) -> dict[str, Any]:
+    """One job of the sweep under its conditions: its records, its spec and the storage timeline."""
     args = {
         **roots,
         "bucket": f"fidelity-{secrets.token_hex(4)}",
@@ -264,6 +269,7 @@ def _rate(b: float) -> str:
 
 
 def _print_scores(result: Mapping[str, Any]) -> None:
+    """The fit, the window, and the scores per regime as a markdown table."""
     fit, raw = result["fit"], result["raw_fit"]
     print(
         f"fit ({fit.family}, on {result['train']} checkpoints, {fit.n} writers): b_client "
@@ -322,6 +328,7 @@ def extrapolate(fit: Any, nbytes: float, counts: tuple[int, ...], seed: int = 0)
 
 
 def _print_extrapolation(rows: list[dict[str, float]], nbytes: float) -> None:
+    """:func:`extrapolate`'s rows as a markdown table."""
     print(f"Beyond the sweep ({nbytes / MIB:g} MiB per writer, the fitted tier state): the model's own")
     print("consistency, its slowest-writer quantiles against a Monte Carlo of the fitted model")
     print()
@@ -374,6 +381,7 @@ def _plot(result: Mapping[str, Any], path: str) -> None:
 
 
 def main() -> int:
+    """Run the sweep (or read one, ``--from``), evaluate it, print the tables, draw the plot."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

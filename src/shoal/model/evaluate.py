@@ -121,6 +121,7 @@ class Checkpoint:
 
     @property
     def sizes(self) -> list[float]:
+        """Each writer's bytes."""
         return [float(s.nbytes) for s in self.samples]
 
     @property
@@ -171,10 +172,12 @@ def _states(
     residuals: dict[int, tuple[float, int] | None] = {}
 
     def rate_state(c: Checkpoint) -> TierState | None:
+        """``b_shared`` from ``c``'s job's last ``window`` checkpoints (None: no history)."""
         past = history(pool, c, window)
         return estimate_state(fit, [s for p in past for s in p.samples]) if past else None
 
     def residual(c: Checkpoint) -> tuple[float, int] | None:
+        """ln(observed / predicted) of ``c``'s typical writer, and its writers (None: no history)."""
         if id(c) not in residuals:
             state = rate_state(c)
             residuals[id(c)] = None

@@ -486,6 +486,7 @@ class WriterFit:
         return self.tau if state is None or state.tau is None else state.tau
 
     def _grid(self, state: TierState | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Points over g and their normal weights (+- 8 of the spread ``state`` predicts with)."""
         tau = self._tau(state)
         g = np.linspace(-8 * tau, 8 * tau, _G_POINTS)
         w = stats.norm.pdf(g, scale=tau)

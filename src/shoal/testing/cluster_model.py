@@ -76,6 +76,7 @@ def pack_records(events: Iterable[Any], rank: int, steps: Iterable[int]) -> list
 
 
 def _state(rank: int, shard_bytes: int) -> dict[str, Any]:
+    """This rank's own state: one tensor of ``shard_bytes`` that no other rank holds."""
     g = torch.Generator().manual_seed(20_000 + rank)
     return {"optim": {f"shard{rank}.exp_avg": torch.randn(shard_bytes // 4, generator=g)}}
 
