@@ -213,7 +213,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model-mib", type=int, default=1)
     ap.add_argument("--shard-mib", type=float, default=6.0)
     ap.add_argument("--host-storage-mbit", type=float, default=200.0)
-    ap.add_argument("--fabric-mbit", type=float, default=100.0)
+    ap.add_argument("--fabric-mbit", type=float, default=60.0)
     ap.add_argument("--storage-mbit", type=float, default=300.0)
     ap.add_argument("--regimes", default="map,contended", help="map, contended, or both (comma-separated)")
     ap.add_argument("--only", default=None, help="run only regimes whose name contains this")

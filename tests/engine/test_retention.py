@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from shoal.cli.main import main as cli_main
 from shoal.engine.fence import WriterRecord
 from shoal.engine.pipeline import run_retention
-from shoal.engine.retention import RetentionPlan, apply_retention, pack_ids_on, plan_retention
+from shoal.engine.retention import RetentionPlan, apply_retention, pack_ids_on, plan_retention, retain
 from shoal.errors import MissingFile, TierError
 from shoal.format import layout
 from shoal.format.chunking import digest
@@ -375,6 +375,32 @@ def test_apply_deletes_commit_then_manifest_then_packs() -> None:
             layout.index_path(pack_id(3)),
         ]
     )
+
+
+def test_retain_yields_between_stages_and_leaves_what_the_next_pass_finishes() -> None:
+    """Asked to stop after the commit records went: the steps are uncommitted (never committed
+    without a manifest), their packs still there and reported as not deleted; the next pass ends it."""
+    tier = _tier_with([1, 2, 3], pack_bytes=5)
+    plan = RetentionPlan(keep_steps=(3,), delete_steps=(1, 2), delete_packs=(pack_id(1), pack_id(2)))
+    answers = iter([False, True])
+    assert retain(tier, plan, stop=lambda: next(answers)) == (0, ())
+    for s in (1, 2):
+        assert layout.commit_path(s) not in tier.files
+        assert layout.manifest_path(s) in tier.files and layout.pack_path(pack_id(s)) in tier.files
+    assert retain(tier, plan) == (10, (pack_id(1), pack_id(2)))
+    assert sorted(p for p in tier.files if p.startswith(layout.PACKS_DIR)) == sorted(
+        [layout.pack_path(pack_id(3)), layout.index_path(pack_id(3))]
+    )
+
+
+def test_retain_told_to_stop_at_once_deletes_nothing() -> None:
+    tier = _tier_with([1, 2])
+    before = dict(tier.files)
+    plan = RetentionPlan(keep_steps=(2,), delete_steps=(1,), delete_packs=(pack_id(1),))
+    assert retain(tier, plan, stop=lambda: True) == (0, ())
+    assert tier.files == before
+    assert run_retention(tier, 1, 2, stop=lambda: True) == (0, ())
+    assert tier.files == before
 
 
 def test_apply_tolerates_files_already_gone() -> None:

@@ -103,7 +103,7 @@ def test_the_choice_flips_where_the_criterion_says(factor, expected):
     """Light load (the shared tier well above the crossover): direct; contention (well below): partner."""
     b_shared = crossover() * factor
     rng = np.random.default_rng(11)
-    policy = ModelPolicy(min_checkpoints=4, refit_every=1)
+    policy = ModelPolicy(min_checkpoints=4, refit_every=1, background=False)
     times = history(rng, b_shared, PARTNER, 12)  # the cold start's partner checkpoints
     policy.observe(_records(times))
     decision = policy.decide(_context(_records(times), 13))
@@ -118,7 +118,7 @@ def test_the_policy_follows_the_tier_state_from_the_newest_checkpoints():
     """Same fits; the shared tier turns contended: the next decisions go to partner, then back."""
     rng = np.random.default_rng(5)
     fast, slow = crossover() * 4, crossover() / 4
-    policy = ModelPolicy(min_checkpoints=4, refit_every=1000)  # no refit after the cold start
+    policy = ModelPolicy(min_checkpoints=4, refit_every=1000, background=False)  # no refit after
     times = history(rng, fast, PARTNER, 10)
     policy.observe(_records(times))
     assert policy.decide(_context(_records(times), 11)).path == DIRECT
@@ -130,7 +130,7 @@ def test_the_policy_follows_the_tier_state_from_the_newest_checkpoints():
 
 def test_cold_start_uses_the_rule_and_says_the_model_is_warming_up():
     rng = np.random.default_rng(2)
-    policy = ModelPolicy(min_checkpoints=4)
+    policy = ModelPolicy(min_checkpoints=4, background=False)
     times = history(rng, 40 * MB, PARTNER, 3)  # the first is the warm-up: two count
     policy.observe(_records(times))
     decision = policy.decide(_context(_records(times), 4))
@@ -141,7 +141,7 @@ def test_cold_start_uses_the_rule_and_says_the_model_is_warming_up():
 
 def test_the_margin_keeps_the_path_when_the_other_is_barely_sooner():
     rng = np.random.default_rng(9)
-    policy = ModelPolicy(min_checkpoints=4, refit_every=1, margin=0.5)
+    policy = ModelPolicy(min_checkpoints=4, refit_every=1, margin=0.5, background=False)
     times = history(rng, crossover() * 1.3, PARTNER, 12)  # direct sooner, but by less than half
     policy.observe(_records(times))
     policy._last = PARTNER
@@ -167,3 +167,13 @@ def test_a_tier_state_moves_the_prediction_as_the_formula_says():
     one = fit.typical(SHARE, RANKS, TierState(24 * MB))
     two = fit.typical(SHARE, RANKS, TierState(12 * MB))
     assert two == pytest.approx(2 * one, rel=1e-6)
+
+
+def test_a_background_refit_leaves_the_caller_at_once_and_lands_whole():
+    rng = np.random.default_rng(4)
+    policy = ModelPolicy(min_checkpoints=4)
+    records = _records(history(rng, crossover() * 3, PARTNER, 12))
+    policy.observe(records)  # returns before the fit is done (a thread of its own)
+    policy.wait(timeout=60)
+    assert all(policy.model.ready(p) for p in (PARTNER, DIRECT))
+    assert policy.decide(_context(records, 13)).path == DIRECT

@@ -13,6 +13,7 @@ the completion-time model plugs in here as another policy.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -139,6 +140,7 @@ class ModelPolicy:
         refit_every: int = 8,
         margin: float = 0.05,
         fallback: PathPolicy | None = None,
+        background: bool = True,
     ) -> None:
         if not 0 < quantile < 1:
             raise ConfigError(f"ModelPolicy quantile must be in (0, 1), got {quantile!r}")
@@ -154,8 +156,10 @@ class ModelPolicy:
         self.refit_every = refit_every
         self.fallback = fallback or RulePolicy("auto")
         self.model = PathModel(min_checkpoints=min_checkpoints)
+        self.background = background
         self._since_fit = 0
         self._last: str | None = None
+        self._fitting: threading.Thread | None = None
 
     def decide(self, context: PathContext) -> PathDecision:
         history = _evidence(context.recent)
@@ -176,13 +180,36 @@ class ModelPolicy:
         return PathDecision(path, _reason(q, predictions), {p: v.to_json() for p, v in predictions.items()})
 
     def observe(self, recent: Sequence[PathRecord]) -> None:
-        """After a checkpoint finished: refit when due (and while a path still has no fit)."""
+        """After a checkpoint finished: refit when due (and while a path still has no fit).
+
+        With ``background`` (the default) the fit runs in a thread of its own, one at a time, and
+        the decisions go on with the fits there are: a fit (a fraction of a second to a few
+        seconds on a busy host) never holds up the pipeline, so never the next checkpoint's B2.
+        """
         self._since_fit += 1
-        if self._since_fit >= self.refit_every or not all(self.model.ready(p) for p in CHOICES):
-            history = _evidence(recent)
-            if history:
-                self.model.refit(history)
-                self._since_fit = 0
+        due = self._since_fit >= self.refit_every or not all(self.model.ready(p) for p in CHOICES)
+        history = _evidence(recent)
+        if not due or not history or (self._fitting is not None and self._fitting.is_alive()):
+            return
+        self._since_fit = 0
+        if not self.background:
+            self.model.refit(history)
+            return
+        self._fitting = threading.Thread(
+            target=self._refit, args=(history,), name="shoal-path-fit", daemon=True
+        )
+        self._fitting.start()
+
+    def _refit(self, history: list[PathTimes]) -> None:
+        try:
+            self.model.refit(history)
+        except Exception:  # a fit that fails leaves the last fits in place
+            log.warning("the path model's refit failed; the previous fits stay", exc_info=True)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for a background refit under way (tests, benchmarks)."""
+        if self._fitting is not None:
+            self._fitting.join(timeout)
 
 
 def _evidence(recent: Sequence[PathRecord]) -> list[PathTimes]:

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from shoal._collector import collector_paused
 from shoal.boundary import Boundary
@@ -28,7 +28,7 @@ from shoal.engine.fence import WriterFence
 from shoal.engine.group_save import GroupSave, PipelineContext, SaveJob, emit_checkpoint
 from shoal.engine.handle import SaveHandle
 from shoal.engine.packlist import StepSummaries, summarise
-from shoal.engine.retention import apply_retention, latest_step, pack_ids_on, plan_retention
+from shoal.engine.retention import latest_step, pack_ids_on, plan_retention, retain
 from shoal.engine.staged import delete_staged
 from shoal.engine.stager import SlotRing
 from shoal.errors import CheckpointFailed, StateError, WriterFenced
@@ -57,6 +57,8 @@ class Pipeline:
         self._pending: dict[int, SaveJob] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._deferred = 0
+        """Retention passes in a row that yielded to a waiting checkpoint."""
         self.summaries = StepSummaries()
         """Each retained step's pack list, kept between retention passes (the worker's alone)."""
 
@@ -153,7 +155,13 @@ class Pipeline:
         emit_checkpoint(self.context, job, None)
 
     def _retain(self, step: int) -> None:
-        """Retention after ``step`` committed: the coordinator on shared, host leaders on their tier."""
+        """Retention after ``step`` committed: the coordinator on shared, host leaders on their tier.
+
+        A pass yields to a checkpoint already waiting for this worker: it stops before its next
+        listing or stage of deletes, so that deleting old checkpoints from a slow or contended
+        store does not hold up the next one's B2 (the next pass picks up what is left; at most
+        ``_MAX_DEFERRED`` passes in a row yield, then one runs whole).
+        """
         ctx = self.context
         in_flight = [s for s in self.in_flight() if s != step]
         horizon = min([step, *(s - 1 for s in in_flight)])
@@ -165,6 +173,14 @@ class Pipeline:
                 work.append((ctx.shared, False))
         if ctx.is_host_leader and ctx.host_tier is not None:
             work.append((ctx.host_tier, True))
+        yielded = False
+
+        def stop() -> bool:
+            nonlocal yielded
+            if self._deferred < _MAX_DEFERRED and not self._queue.empty():
+                yielded = True
+            return yielded
+
         for tier, host_tier in work:
             catalog = ctx.host_catalog if host_tier else ctx.shared_catalog
             try:
@@ -177,6 +193,7 @@ class Pipeline:
                     manifests_are_commits=host_tier,
                     writer=None if host_tier else writer,
                     summaries=self.summaries,
+                    stop=stop,
                 )
             except Exception as e:
                 log.warning(
@@ -187,6 +204,9 @@ class Pipeline:
                 catalog.drop_packs(dropped)
             if freed or dropped:
                 ctx.events.emit("retention", step, tier=tier.kind, freed_bytes=freed, packs=len(dropped))
+        self._deferred = self._deferred + 1 if yielded else 0
+        if yielded:
+            ctx.events.emit("retention_deferred", step, passes=self._deferred)
 
     def _shared_writer(self, step: int) -> frozenset[str] | None:
         """The writer ids retention on shared runs for (this writer's lineage), or None if fenced (warned)."""
@@ -218,6 +238,9 @@ class Pipeline:
         return fence.lineage
 
 
+_MAX_DEFERRED = 4
+"""Retention passes in a row that may yield to a waiting checkpoint; the next one runs whole."""
+
 _MANY_ITEMS = 1000
 """From this many items in a rank's checkpoint, the pipeline pauses the collector for it."""
 
@@ -241,6 +264,7 @@ def run_retention(
     manifests_are_commits: bool = False,
     writer: str | Collection[str] | None = None,
     summaries: StepSummaries | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[int, tuple[str, ...]]:
     """One retention pass over ``tier``: keep the ``keep_last`` newest committed checkpoints.
 
@@ -252,7 +276,11 @@ def run_retention(
     without its manifest or not matching it) are removed when older than every kept step,
     and otherwise protect the packs they could reference. ``summaries``: each step's pack list
     kept from earlier passes (a manifest is decoded only when it is new or its files changed).
+    ``stop``: asked before the listing and before each stage of deletes (:func:`retain`); when
+    it says so the pass ends there, and the next one finds what is left.
     """
+    if stop is not None and stop():
+        return 0, ()
     infos = summarise(tier, summaries)
     if manifests_are_commits:
         committed = [i.step for i in infos if i.summary is not None]
@@ -268,4 +296,4 @@ def run_retention(
         writer=writer,
         problems={i.step: i.problem for i in infos if i.problem},
     )
-    return apply_retention(tier, plan), plan.delete_packs
+    return retain(tier, plan, stop=stop)

@@ -24,9 +24,8 @@ format) count as the writer's own.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -173,25 +172,56 @@ class RemovesEmptyDirs(Protocol):
         ...
 
 
+def _delete(tier: Tier, plan: RetentionPlan, stop: Callable[[], bool] | None) -> int | None:
+    """The deletes of :func:`retain`, stage by stage; the bytes freed, or None if ``stop`` said stop."""
+    if stop is not None and stop():
+        return None
+    if plan.delete_steps:
+        tier.delete_many([layout.commit_path(step) for step in plan.delete_steps])
+        if stop is not None and stop():
+            return None
+        dirs = {layout.step_dir(step) + "/" for step in plan.delete_steps}
+        listed = tier.list(layout.STEPS_DIR + "/") if len(dirs) > 1 else tier.list(next(iter(dirs)))
+        tier.delete_many([p for p in listed if any(p.startswith(d) for d in dirs)])
+        if isinstance(tier, RemovesEmptyDirs):
+            for step in plan.delete_steps:
+                tier.remove_empty_dirs(layout.step_dir(step))
+    if not plan.delete_packs:
+        return 0
+    if stop is not None and stop():
+        return None
+    sizes = tier.list_sizes(layout.PACKS_DIR + "/")
+    freed = sum(sizes.get(layout.pack_path(pid), 0) for pid in plan.delete_packs)
+    tier.delete_many(
+        [p for pid in plan.delete_packs for p in (layout.pack_path(pid), layout.index_path(pid))]
+    )
+    return freed
+
+
 def apply_retention(tier: Tier, plan: RetentionPlan) -> int:
-    """Delete what ``plan`` says; return bytes of packs freed.
+    """Delete what ``plan`` says; return bytes of packs freed (``shoal gc``; see :func:`retain`)."""
+    return retain(tier, plan)[0]
+
+
+def retain(
+    tier: Tier, plan: RetentionPlan, *, stop: Callable[[], bool] | None = None
+) -> tuple[int, tuple[str, ...]]:
+    """Delete what ``plan`` says; return bytes of packs freed and the packs deleted.
 
     Called by the pipeline after each commit (coordinator on shared, host leaders on
     their tier) and by ``shoal gc``. Emptied step directories are removed where the tier
     has directories (:class:`RemovesEmptyDirs`).
+
+    Three stages, each one batch (:meth:`~shoal.tiers.base.Tier.delete_many`: a few requests
+    on an object store, however many files): the deleted steps' commit records, then the rest
+    of their files, then the packs. A step is never left committed without its manifest. ``stop``
+    is asked before each stage: when it says so the rest waits for the next pass (what is left
+    is what a next plan finds again: steps not yet uncommitted, or packs no kept step references).
     """
-    for step in plan.delete_steps:
-        tier.delete(layout.commit_path(step))
-        for path in tier.list(layout.step_dir(step) + "/"):
-            tier.delete(path)
-        if isinstance(tier, RemovesEmptyDirs):
-            tier.remove_empty_dirs(layout.step_dir(step))
-    freed = 0
-    for pid in plan.delete_packs:
-        with contextlib.suppress(FileNotFoundError):
-            freed += tier.info(layout.pack_path(pid)).size
-        tier.delete(layout.pack_path(pid))
-        tier.delete(layout.index_path(pid))
+    done = _delete(tier, plan, stop)
+    if done is None:
+        return 0, ()
+    freed = done
     if plan.delete_steps or plan.delete_packs:
         log.info(
             "retention on %s: deleted steps %s and %d packs (%d bytes)",
@@ -210,7 +240,7 @@ def apply_retention(tier: Tier, plan: RetentionPlan) -> int:
             tier.url,
             list(plan.foreign_steps),
         )
-    return freed
+    return freed, plan.delete_packs
 
 
 __all__ = [
@@ -219,6 +249,7 @@ __all__ = [
     "RetentionPlan",
     "StepRefs",
     "apply_retention",
+    "retain",
     "latest_step",
     "pack_ids_on",
     "plan_retention",

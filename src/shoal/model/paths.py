@@ -121,10 +121,12 @@ class PathModel:
 
     def refit(self, history: Sequence[PathTimes]) -> None:
         """Fit each path's writers to ``history`` (oldest first); a path with too few keeps its fit."""
+        fits = dict(self.fits)
         for path in PATHS:
             samples = _samples(history, path)
             if len({s.checkpoint for s in samples}) >= self.min_checkpoints:
-                self.fits[path] = choose_family(samples)[0]
+                fits[path] = choose_family(samples)[0]
+        self.fits = fits  # one swap: a reader in another thread sees the old fits or the new ones
 
     def ready(self, path: str) -> bool:
         return path in self.fits

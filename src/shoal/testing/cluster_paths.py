@@ -48,8 +48,11 @@ def path_run(
     model_mib: int,
     shard_mib: float,
     config: dict[str, Any] | None = None,
+    events: bool = False,
 ) -> dict[str, Any]:
-    """``saves`` saves every ``interval`` seconds with ``Config.path=path``; the times of each."""
+    """``saves`` saves every ``interval`` seconds with ``Config.path=path``; the times of each.
+
+    ``events``: also return every event of this rank's host log (to see where a slow one went)."""
     prepare_bucket(rank, bucket)
     state = cluster_state(rank, model_mib=model_mib, shard_mib=shard_mib)
     overrides = {"path": path, "job": job, "keep_last": 2, **(config or {})}
@@ -87,6 +90,8 @@ def path_run(
                 }
             )
         log = ckpt.config.event_log
+        if events and log is not None:
+            out["events"] = [dict(e.fields) for e in read_events(log) if e.rank == rank]
         if rank == 0 and log is not None:
             events = read_events(log, kinds=("path",))
             out["predictions"] = {

@@ -406,7 +406,7 @@ def mismatched_load_steps(rank: int, world: int, *, root: str) -> str:
         return message
 
 
-def model_chosen_paths(rank: int, world: int, *, root: str, saves: int = 7) -> dict[str, Any]:
+def model_chosen_paths(rank: int, world: int, *, root: str, saves: int = 9) -> dict[str, Any]:
     """``saves`` checkpoints with ``path="auto"`` (the model policy): each one's path and reason and,
     on the coordinator, the ``path`` and ``path_observed`` events of its event log."""
     out: dict[str, Any] = {"steps": {}}

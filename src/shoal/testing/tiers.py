@@ -228,6 +228,16 @@ class TierTests:
         tier.delete("d/f")
         tier.delete("never/there")
 
+    def test_delete_many_removes_every_one_and_tolerates_missing(self, tier: Tier) -> None:
+        for name in ("d/a", "d/b", "d/c", "e/a"):
+            tier.write(name, b"x")
+        tier.delete_many(["d/a", "e/a", "never/there", "d/c"])
+        assert tier.list() == ["d/b"]
+        assert self.read_around(tier, "d/a") is None
+        tier.delete_many([])
+        tier.delete_many(["d/b"])
+        assert tier.list() == []
+
     # -- names ------------------------------------------------------------------------------
 
     @pytest.mark.parametrize("path", ["../x", "/abs", "a\x00b", "a/../b", "a//b", "", ".", "a/./b"])

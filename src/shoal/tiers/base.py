@@ -25,7 +25,7 @@ Contract shared by every implementation (checked by
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -243,6 +243,16 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def delete(self, path: str) -> None:
         """Remove ``path``; a missing file is not an error."""
+
+    def delete_many(self, paths: Sequence[str]) -> None:
+        """Remove every one of ``paths`` (missing ones are not errors), in no promised order.
+
+        This default deletes them one by one; an object store overrides it with its batch delete
+        (one request per thousand keys), so that retention costs a few round trips, not one per
+        file, when the link to storage is slow. Callers that need an order make one call per stage.
+        """
+        for path in paths:
+            self.delete(path)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (open mappings, connections). Idempotent."""
