@@ -177,3 +177,21 @@ def test_a_background_refit_leaves_the_caller_at_once_and_lands_whole():
     policy.wait(timeout=60)
     assert all(policy.model.ready(p) for p in (PARTNER, DIRECT))
     assert policy.decide(_context(records, 13)).path == DIRECT
+
+
+def test_the_predictions_made_ahead_are_the_ones_the_decision_would_make_itself():
+    """After a checkpoint the policy predicts both paths for the next one; the decision scales
+    them to its bytes, and they equal a prediction made at decision time."""
+    rng = np.random.default_rng(6)
+    policy = ModelPolicy(min_checkpoints=4, refit_every=1, background=False)
+    times = history(rng, crossover(), PARTNER, 12)
+    policy.observe(_records(times))
+    context = PathContext(
+        13, RANKS, ("a", "b"), 3 * RANKS * SHARE, can_replicate=True, recent=tuple(_records(times))
+    )
+    ahead = policy.decide(context).predictions
+    assert ahead is not None
+    for path in (PARTNER, DIRECT):
+        now = policy.model.predict(path, 0.9, 3 * RANKS * SHARE, times[1:])
+        assert ahead[path]["seconds"] == pytest.approx(now.seconds, rel=1e-6)
+        assert ahead[path]["typical"] == pytest.approx(now.typical, rel=1e-6)

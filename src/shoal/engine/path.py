@@ -160,6 +160,8 @@ class ModelPolicy:
         self._since_fit = 0
         self._last: str | None = None
         self._fitting: threading.Thread | None = None
+        self._ahead: tuple[int, int, dict[str, PathPrediction]] | None = None
+        """Predictions made after the newest checkpoint: its step, its bytes, each path's prediction."""
 
     def decide(self, context: PathContext) -> PathDecision:
         history = _evidence(context.recent)
@@ -171,7 +173,12 @@ class ModelPolicy:
                 )
             return rule
         q = self.quantile
-        predictions = {p: self.model.predict(p, q, context.logical_bytes, history) for p in CHOICES}
+        ahead = self._ahead
+        if ahead is not None and history and ahead[0] == history[-1].checkpoint and ahead[1] > 0:
+            factor = context.logical_bytes / ahead[1]
+            predictions = {p: v.scaled(factor) for p, v in ahead[2].items()}
+        else:  # none made ahead for the newest checkpoint (the first decision, an update running)
+            predictions = {p: self.model.predict(p, q, context.logical_bytes, history) for p in CHOICES}
         path = min(CHOICES, key=lambda p: predictions[p].seconds)
         last = self._last
         if last is not None and predictions[path].seconds > predictions[last].seconds * (1.0 - self.margin):
@@ -180,34 +187,45 @@ class ModelPolicy:
         return PathDecision(path, _reason(q, predictions), {p: v.to_json() for p, v in predictions.items()})
 
     def observe(self, recent: Sequence[PathRecord]) -> None:
-        """After a checkpoint finished: refit when due (and while a path still has no fit).
+        """After a checkpoint finished: refit when due (and while a path still has no fit), then
+        predict both paths for a checkpoint like this one.
 
-        With ``background`` (the default) the fit runs in a thread of its own, one at a time, and
-        the decisions go on with the fits there are: a fit (a fraction of a second to a few
-        seconds on a busy host) never holds up the pipeline, so never the next checkpoint's B2.
+        With ``background`` (the default) this runs in a thread of its own, one at a time, and
+        the decisions go on with what there is: neither a fit (a fraction of a second to a few
+        seconds on a busy host) nor a prediction holds up the pipeline, so the next checkpoint's
+        B2. The next decision scales the predictions to its own bytes (exact: sizes enter the
+        model as ``ln S``); one that finds none made ahead for the newest checkpoint predicts itself.
         """
         self._since_fit += 1
-        due = self._since_fit >= self.refit_every or not all(self.model.ready(p) for p in CHOICES)
         history = _evidence(recent)
-        if not due or not history or (self._fitting is not None and self._fitting.is_alive()):
-            return
-        self._since_fit = 0
+        if not history or (self._fitting is not None and self._fitting.is_alive()):
+            return  # an update still running: the next decision predicts for itself
+        refit = self._since_fit >= self.refit_every or not all(self.model.ready(p) for p in CHOICES)
+        if refit:
+            self._since_fit = 0
         if not self.background:
-            self.model.refit(history)
+            self._update(history, refit)
             return
         self._fitting = threading.Thread(
-            target=self._refit, args=(history,), name="shoal-path-fit", daemon=True
+            target=self._update, args=(history, refit), name="shoal-path-model", daemon=True
         )
         self._fitting.start()
 
-    def _refit(self, history: list[PathTimes]) -> None:
+    def _update(self, history: list[PathTimes], refit: bool) -> None:
         try:
-            self.model.refit(history)
-        except Exception:  # a fit that fails leaves the last fits in place
-            log.warning("the path model's refit failed; the previous fits stay", exc_info=True)
+            if refit:
+                self.model.refit(history)
+            if all(self.model.ready(p) for p in CHOICES):
+                newest = history[-1]
+                predictions = {
+                    p: self.model.predict(p, self.quantile, newest.logical_bytes, history) for p in CHOICES
+                }
+                self._ahead = (newest.checkpoint, newest.logical_bytes, predictions)
+        except Exception:  # a failed update leaves the last fits in place; decisions predict inline
+            log.warning("the path model's update failed; the previous fits stay", exc_info=True)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for a background refit under way (tests, benchmarks)."""
+        """Wait for a background update under way (tests, benchmarks)."""
         if self._fitting is not None:
             self._fitting.join(timeout)
 

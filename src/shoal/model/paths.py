@@ -26,6 +26,7 @@ coordinator's records and turns its predictions into decisions.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -93,6 +94,16 @@ class PathPrediction:
     b_shared: float
     """The tier state the prediction assumed (bytes per second for all writers together)."""
     family: str
+
+    def scaled(self, factor: float) -> PathPrediction:
+        """The prediction for writers ``factor`` times as large (exact: sizes enter as ln S)."""
+        writers_q = (self.seconds - self.pre - self.overhead) * factor
+        writers_typ = (self.typical - self.pre - self.overhead) * factor
+        return dataclasses.replace(
+            self,
+            seconds=self.pre + self.overhead + writers_q,
+            typical=self.pre + self.overhead + writers_typ,
+        )
 
     def to_json(self) -> dict[str, float | int | str]:
         return {

@@ -292,7 +292,8 @@ def calibrate_spread(
         raise ConfigError("calibrate_spread needs at least one (state, writers) checkpoint, got none")
     if target not in ("writers", "slowest", "order"):
         raise ConfigError(f"target must be 'writers', 'slowest' or 'order', got {target!r}")
-    samples, shares = [], []
+    samples: list[WriterSample] = []
+    shares: list[float] = []
     for j, (state, writers) in enumerate(checkpoints):
         samples.extend(WriterSample(j, s.nbytes, s.seconds, s.writers, s.t) for s in writers)
         shares.extend([state.b_shared] * len(writers))

@@ -93,8 +93,8 @@ def path_run(
         if events and log is not None:
             out["events"] = [dict(e.fields) for e in read_events(log) if e.rank == rank]
         if rank == 0 and log is not None:
-            events = read_events(log, kinds=("path",))
+            decided = read_events(log, kinds=("path",))
             out["predictions"] = {
-                str(e.step): e.get("predictions") for e in events if e.rank == 0 and e.get("predictions")
+                str(e.step): e.get("predictions") for e in decided if e.rank == 0 and e.get("predictions")
             }
     return out
