@@ -253,8 +253,15 @@ class FsspecTier(Tier):
             super().delete_many(paths)
             return
         targets = [self._abs(p) for p in paths]
-        with self._wrap("delete", f"{len(paths)} files ({paths[0]} ...)"), suppress(FileNotFoundError):
-            self.fs.rm(targets)
+        with self._wrap("delete", f"{len(paths)} files ({paths[0]} ...)"):
+            try:
+                self.fs.rm(targets)
+            except FileNotFoundError:  # a file system whose batch stops at a missing file
+                missing = True
+            else:
+                missing = False
+        if missing:  # one by one, each missing file skipped: none of the others left behind
+            super().delete_many(paths)
 
     def remove_empty_dirs(self, prefix: str) -> None:
         """Remove the empty directories at and below ``prefix`` (a relative directory path).
