@@ -58,7 +58,7 @@ from shoal.engine.commit import CheckpointCommit
 from shoal.engine.events import monotonic
 from shoal.engine.fence import WriterFence, after_failed_commit
 from shoal.engine.packwriter import drain_parts, slab_runs, write_pack
-from shoal.engine.path import PARTNER, PathContext, PathDecision, PathRecord, decide_path
+from shoal.engine.path import PARTNER, PathContext, PathDecision, PathRecord, decide_path, record_outcome
 from shoal.engine.protocol import (
     Drained,
     GroupFailure,
@@ -76,7 +76,6 @@ from shoal.format.manifest_build import Holdings, ManifestHeader, build_manifest
 from shoal.format.pack import PackIndex
 from shoal.group.planner import ChunkRef, ChunkTable, Digests, GroupPlan, RankChunks
 from shoal.model.paths import PathTimes
-from shoal.model.writers import WriterSample
 
 log = logging.getLogger(__name__)
 
@@ -188,59 +187,29 @@ class GroupSave:
             emit_checkpoint(ctx, self.job, None if self.decision is None else self.decision.path)
 
     def _record_path(self) -> None:
-        """Coordinator: what this checkpoint showed, for the path policy's next decisions.
-
-        The record goes to the history the policy is shown, and to the policy's ``observe``
-        when it has one (a model refits there, after the checkpoint, not at the next plan);
-        the observed times go to the event log beside the prediction the decision made.
-        """
-        ctx, decision = self.ctx, self.decision
+        """Coordinator: what this checkpoint showed, for the path policy (:func:`record_outcome`)."""
+        ctx, decision, h = self.ctx, self.decision, self.job.handle
         if not ctx.fabric.is_coordinator or decision is None:
             return
-        h = self.job.handle
-        times = None if h.error is not None else self._path_times()
-        ctx.path_history.add(
-            PathRecord(
-                self.step,
-                decision.path,
-                sum(s.nbytes for s in self.job.slot.items),
-                {b.name: t for b, t in h.times.items()},
-                failed=h.error is not None,
-                times=times,
-            )
+        record = PathRecord(
+            self.step,
+            decision.path,
+            sum(s.nbytes for s in self.job.slot.items),
+            {b.name: t for b, t in h.times.items()},
+            failed=h.error is not None,
+            times=None if h.error is not None else self._path_times(),
         )
-        observe = getattr(ctx.path_policy, "observe", None)
-        if callable(observe):
-            try:
-                observe(ctx.path_history.recent())
-            except Exception:  # a policy's bookkeeping never fails a checkpoint
-                log.warning("step %d: the path policy's observe failed", self.step, exc_info=True)
-        if times is not None:
-            predicted = (decision.predictions or {}).get(decision.path)
-            ctx.events.emit(
-                "path_observed",
-                self.step,
-                path=decision.path,
-                predicted=predicted,
-                pre=times.pre,
-                b2=times.b2,
-                b3=times.b3,
-            )
+        record_outcome(ctx.path_history, ctx.path_policy, ctx.events, decision, record)
 
     def _path_times(self) -> PathTimes | None:
         """This checkpoint's :class:`~shoal.model.paths.PathTimes`, from the coordinator's marks and C6."""
-        ht, marks, results = self.job.handle.times, self.marks, self.results
-        decision = self.decision
+        ht, marks, results, decision = self.job.handle.times, self.marks, self.results, self.decision
         b2 = ht.get(Boundary.REPLICATED)
         if decision is None or results is None or b2 is None or Boundary.STAGED not in ht:
             return None
         base = ht[Boundary.STAGED] - marks["staged"]  # perf_counter -> seconds from the save call
         drained = [r for r in results if isinstance(r, Drained)]
-        drains = [(r.drain_bytes, r.drain_seconds) for r in drained if r.drain_bytes and r.drain_seconds > 0]
-        copies = [
-            (r.replica_bytes, r.replica_seconds) for r in drained if r.replica_bytes and r.replica_seconds > 0
-        ]
-        return PathTimes(
+        return PathTimes.of(
             self.step,
             decision.path,
             self.logical_bytes,
@@ -248,8 +217,8 @@ class GroupSave:
             b2=b2,
             drain_begin=base + marks["drain_begin"],
             b3=ht.get(Boundary.PERSISTED),
-            drain=tuple(WriterSample(self.step, b, t, len(drains), float(self.step)) for b, t in drains),
-            replicas=tuple(WriterSample(self.step, b, t, len(copies), float(self.step)) for b, t in copies),
+            drains=[(r.drain_bytes, r.drain_seconds) for r in drained],
+            copies=[(r.replica_bytes, r.replica_seconds) for r in drained],
         )
 
     def _emit_coordination(self) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from shoal.engine.events import EventLog
 from shoal.errors import ConfigError
 from shoal.model.paths import PathModel, PathPrediction, PathTimes
 
@@ -240,6 +241,29 @@ def _reason(q: float, predictions: Mapping[str, PathPrediction]) -> str:
     return f"path='auto': the model's p{round(q * 100)} time to B2: {said}"
 
 
+def record_outcome(
+    history: PathHistory, policy: PathPolicy, events: EventLog, decision: PathDecision, record: PathRecord
+) -> None:
+    """The coordinator, once a checkpoint finished: ``record`` joins the history the policy is
+    shown and goes to the policy's ``observe`` when it has one (a model refits there, after the
+    checkpoint, not at the next plan); the times observed go to the event log beside the
+    prediction the decision made (``path_observed``)."""
+    history.add(record)
+    observe = getattr(policy, "observe", None)
+    if callable(observe):
+        try:
+            observe(history.recent())
+        except Exception:  # a policy's bookkeeping never fails a checkpoint
+            log.warning("step %d: the path policy's observe failed", record.step, exc_info=True)
+    times = record.times
+    if times is not None:
+        predicted = (decision.predictions or {}).get(decision.path)
+        events.emit(
+            "path_observed", record.step, path=decision.path, predicted=predicted,
+            pre=times.pre, b2=times.b2, b3=times.b3,
+        )  # fmt: skip
+
+
 def default_policy(path: str) -> PathPolicy:
     """``Config.path``'s policy: the rule for ``"partner"`` and ``"direct"``, the model for ``"auto"``."""
     return ModelPolicy() if path == "auto" else RulePolicy(path)
@@ -270,4 +294,5 @@ __all__ = [
     "RulePolicy",
     "decide_path",
     "default_policy",
+    "record_outcome",
 ]

@@ -62,6 +62,31 @@ class PathTimes:
         if self.path not in PATHS:
             raise ConfigError(f"PathTimes.path must be one of {PATHS}, got {self.path!r}")
 
+    @classmethod
+    def of(
+        cls,
+        checkpoint: int,
+        path: str,
+        logical_bytes: int,
+        *,
+        pre: float,
+        b2: float,
+        drain_begin: float,
+        b3: float | None,
+        drains: Sequence[tuple[int, float]],
+        copies: Sequence[tuple[int, float]],
+    ) -> PathTimes:
+        """From every rank's ``(bytes, seconds)`` of its drain and of its partner copy (ranks that
+        wrote nothing left out; each kind's writers are the ranks that wrote it)."""
+
+        def writers(pairs: Sequence[tuple[int, float]]) -> tuple[WriterSample, ...]:
+            real = [(b, t) for b, t in pairs if b > 0 and t > 0]
+            return tuple(WriterSample(checkpoint, b, t, len(real), float(checkpoint)) for b, t in real)
+
+        return cls(
+            checkpoint, path, logical_bytes, pre, b2, drain_begin, b3, writers(drains), writers(copies)
+        )
+
     def overhead(self, path: str) -> float | None:
         """Seconds to ``path``'s B2 beyond ``pre`` and its slowest writer, as this checkpoint showed them.
 
