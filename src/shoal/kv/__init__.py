@@ -1,0 +1,41 @@
+"""``shoal.kv``: the KV-cache block store (DESIGN.md section 12; docs/kv.md).
+
+Blocks keyed by :class:`BlockKey` (namespace, tensor-parallel rank, chained prefix hash) live in a
+host DRAM pool shared by the host's processes, then on local disk, then on shared storage;
+:class:`KVStore` is the batch-first API, :class:`~shoal.kv.mooncake.MooncakeStore` a facade with
+Mooncake Store's method names.
+"""
+
+from __future__ import annotations
+
+from shoal.kv.keys import BlockKey, chain_keys, namespace_for
+from shoal.kv.store import (
+    DRAM,
+    LOCAL,
+    SHARED,
+    GetResult,
+    KVConfig,
+    KVEvent,
+    KVStats,
+    KVStore,
+    Lease,
+    PutResult,
+    TierStats,
+)
+
+__all__ = [
+    "DRAM",
+    "LOCAL",
+    "SHARED",
+    "BlockKey",
+    "GetResult",
+    "KVConfig",
+    "KVEvent",
+    "KVStats",
+    "KVStore",
+    "Lease",
+    "PutResult",
+    "TierStats",
+    "chain_keys",
+    "namespace_for",
+]

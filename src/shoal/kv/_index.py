@@ -1,0 +1,417 @@
+"""The host's block index: one sqlite3 database in the DRAM pool's directory, shared by every
+process of this user on the host.
+
+Tables: ``blocks`` (the DRAM pool: digest, payload size, physical bytes, state, owner pid, last
+access, which lower tier holds a copy), ``local`` (the local tier's blocks, for its capacity),
+``leases`` (pins: digest, owner pid, expiry) and ``meta`` (format version, capacity, the running
+byte totals). Every change is one ``BEGIN IMMEDIATE`` transaction, so reservations from several
+processes are serialised by sqlite's write lock and the totals never pass the capacity.
+
+States of a pool block: ``WRITING`` (bytes reserved, the file being written by ``owner``),
+``READY`` (the file is whole), ``EVICTING`` (claimed by ``owner`` to be written back and dropped;
+still readable, its bytes still counted). A row whose owner died is swept (:meth:`sweep_dead`).
+
+The index is a cache of what the tiers hold: it lives on tmpfs (``synchronous=OFF``), and a
+missing or unreadable one is rebuilt from the files (:class:`shoal.kv.pool.DramPool`).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from shoal.errors import ConfigError
+
+WRITING, READY, EVICTING = 0, 1, 2
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS blocks(
+    digest TEXT PRIMARY KEY, size INTEGER NOT NULL, phys INTEGER NOT NULL, state INTEGER NOT NULL,
+    owner INTEGER, atime REAL NOT NULL, lower TEXT);
+CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(state, atime);
+CREATE TABLE IF NOT EXISTS local(digest TEXT PRIMARY KEY, phys INTEGER NOT NULL, atime REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS local_lru ON local(atime);
+CREATE TABLE IF NOT EXISTS leases(id TEXT NOT NULL, digest TEXT NOT NULL, owner INTEGER NOT NULL,
+    expiry REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS leases_digest ON leases(digest);
+CREATE INDEX IF NOT EXISTS leases_id ON leases(id);
+"""
+_UNPINNED = "NOT EXISTS (SELECT 1 FROM leases l WHERE l.digest = {t}.digest AND l.expiry > ?)"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (a zombie counts as dead)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
+    except OSError:
+        return True
+
+
+@dataclass(frozen=True)
+class Victim:
+    """A pool block claimed for eviction: write it back (unless ``lower`` has it), then drop it."""
+
+    digest: str
+    size: int
+    phys: int
+    lower: str | None
+
+
+@dataclass
+class Reservation:
+    """The outcome of :meth:`BlockIndex.reserve` for one digest."""
+
+    digest: str
+    outcome: str
+    """``reserved`` (write the file, then :meth:`BlockIndex.mark_ready`), ``present`` (stored or being
+    stored already), ``full`` (no room even after eviction)."""
+    needed: int = 0
+    free: int = 0
+
+
+class BlockIndex:
+    """The sqlite index of one host pool (module docstring). Thread-safe (one connection, a lock)."""
+
+    def __init__(self, path: str, capacity: int) -> None:
+        self.path = path
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
+        try:
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=OFF")
+            self._conn.executescript(_SCHEMA)
+            self._init_meta(capacity)
+        except BaseException:
+            self._conn.close()
+            raise
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(path + suffix):
+                os.chmod(path + suffix, 0o600)
+        self.capacity = capacity
+        self.last_used = 0
+        """The pool's bytes in use as the last :meth:`reserve` left them."""
+
+    def _init_meta(self, capacity: int) -> None:
+        with self.transaction() as c:
+            rows = dict(c.execute("SELECT k, v FROM meta").fetchall())
+            if not rows:
+                c.executemany(
+                    "INSERT INTO meta(k, v) VALUES (?, ?)",
+                    [("version", SCHEMA_VERSION), ("capacity", capacity), ("used", 0), ("local_used", 0)],
+                )
+                return
+            if rows.get("version") != SCHEMA_VERSION:
+                raise sqlite3.DatabaseError(f"index version {rows.get('version')} != {SCHEMA_VERSION}")
+            if rows.get("capacity") != capacity:
+                raise ConfigError(
+                    f"the KV pool at {os.path.dirname(self.path)} was created with dram_bytes="
+                    f"{rows.get('capacity')}, this store asks for {capacity}: every process of a host must "
+                    f"configure the same capacity (or use another dram_root)"
+                )
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One ``BEGIN IMMEDIATE`` transaction (the host-wide write lock), committed on success."""
+        with self._lock:
+            c = self._conn
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                yield c
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+            c.execute("COMMIT")
+
+    def _read(self, sql: str, args: Sequence[object] = ()) -> list[tuple[object, ...]]:
+        with self._lock:
+            return self._conn.execute(sql, args).fetchall()
+
+    # -- the pool ---------------------------------------------------------------------------
+
+    def reserve(
+        self, items: Sequence[tuple[str, int, int]], writeback: bool
+    ) -> tuple[list[Reservation], list[Victim]]:
+        """Reserve ``(digest, size, phys)`` for each item in one transaction.
+
+        Returns each item's :class:`Reservation` and the victims claimed (state ``EVICTING``,
+        owned by this process) to make room: the caller writes them back / drops them
+        (:meth:`release`) and reserves the items marked ``full`` again. No victim is claimed for
+        an item that cannot fit even then.
+        """
+        now = time.time()
+        out: list[Reservation] = []
+        claimed: list[Victim] = []
+        with self.transaction() as c:
+            used = _meta(c, "used")
+            for digest, size, phys in items:
+                row = c.execute("SELECT state, owner FROM blocks WHERE digest = ?", (digest,)).fetchone()
+                if row is not None:
+                    out.append(Reservation(digest, "present"))
+                    continue
+                if used + phys <= self.capacity:
+                    c.execute(
+                        "INSERT INTO blocks(digest, size, phys, state, owner, atime) "
+                        "VALUES (?, ?, ?, ?, ?, ?)",
+                        (digest, size, phys, WRITING, self.pid, now),
+                    )
+                    used += phys
+                    out.append(Reservation(digest, "reserved"))
+                    continue
+                victims = _lru_unpinned(c, "blocks", used + phys - self.capacity, now, exclude=claimed)
+                free = self.capacity - used
+                if victims is None:
+                    out.append(Reservation(digest, "full", needed=phys, free=free))
+                    continue
+                c.executemany(
+                    "UPDATE blocks SET state = ?, owner = ? WHERE digest = ?",
+                    [(EVICTING, self.pid, v[0]) for v in victims],
+                )
+                claimed.extend(Victim(*v) for v in victims)
+                out.append(Reservation(digest, "full", needed=phys, free=free))
+            _set_meta(c, "used", used)
+        self.last_used = used
+        return out, claimed
+
+    def claim_above(self, target: int) -> list[Victim]:
+        """Claim LRU unpinned ``READY`` blocks until the bytes not being evicted are <= ``target``."""
+        now = time.time()
+        with self.transaction() as c:
+            used = _meta(c, "used")
+            evicting = c.execute("SELECT COALESCE(SUM(phys), 0) FROM blocks WHERE state = ?", (EVICTING,))
+            excess = used - int(evicting.fetchone()[0]) - target
+            if excess <= 0:
+                return []
+            victims = _lru_unpinned(c, "blocks", excess, now, exclude=[], partial=True) or []
+            c.executemany(
+                "UPDATE blocks SET state = ?, owner = ? WHERE digest = ?",
+                [(EVICTING, self.pid, v[0]) for v in victims],
+            )
+        return [Victim(*v) for v in victims]
+
+    def mark_ready(self, written: Sequence[tuple[str, str | None]]) -> None:
+        """The files of ``(digest, lower tier holding a copy or None)`` reserved by this process are
+        whole: serve and count them."""
+        if not written:
+            return
+        now = time.time()
+        with self.transaction() as c:
+            c.executemany(
+                "UPDATE blocks SET state = ?, owner = NULL, atime = ?, lower = ? WHERE digest = ? "
+                "AND state = ? AND owner = ?",
+                [(READY, now, lower, d, WRITING, self.pid) for d, lower in written],
+            )
+
+    def release(self, digests: Iterable[str], *, states: Sequence[int] = (WRITING, EVICTING)) -> int:
+        """Forget pool rows (their files are gone already) and free their bytes; return bytes freed."""
+        freed = 0
+        marks = ",".join("?" * len(states))
+        with self.transaction() as c:
+            for d in digests:
+                row = c.execute(
+                    f"SELECT phys FROM blocks WHERE digest = ? AND state IN ({marks})", (d, *states)
+                ).fetchone()
+                if row is not None:
+                    c.execute("DELETE FROM blocks WHERE digest = ?", (d,))
+                    freed += int(row[0])
+            _set_meta(c, "used", _meta(c, "used") - freed)
+        return freed
+
+    def unclaim(self, digests: Iterable[str]) -> None:
+        """Give claimed victims back (their write-back failed): ``READY`` again, still served."""
+        with self.transaction() as c:
+            c.executemany(
+                "UPDATE blocks SET state = ?, owner = NULL WHERE digest = ? AND state = ? AND owner = ?",
+                [(READY, d, EVICTING, self.pid) for d in digests],
+            )
+
+    def touch(self, digests: Sequence[str]) -> None:
+        """Mark blocks as just used (LRU)."""
+        if digests:
+            now = time.time()
+            with self.transaction() as c:
+                c.executemany("UPDATE blocks SET atime = ? WHERE digest = ?", [(now, d) for d in digests])
+
+    def pool_row(self, digest: str) -> tuple[int, int] | None:
+        """``(state, phys)`` of a pool block, or None."""
+        rows = self._read("SELECT state, phys FROM blocks WHERE digest = ?", (digest,))
+        return (int(rows[0][0]), int(rows[0][1])) if rows else None  # type: ignore[call-overload]
+
+    def usage(self) -> tuple[int, int, int, int]:
+        """``(pool blocks, pool bytes, local blocks, local bytes)``."""
+        rows = self._read(
+            "SELECT (SELECT COUNT(*) FROM blocks), (SELECT v FROM meta WHERE k = 'used'), "
+            "(SELECT COUNT(*) FROM local), (SELECT v FROM meta WHERE k = 'local_used')"
+        )
+        a, b, c, d = rows[0]
+        return int(a), int(b), int(c), int(d)  # type: ignore[call-overload]
+
+    def evicting_count(self) -> int:
+        return int(self._read("SELECT COUNT(*) FROM blocks WHERE state = ?", (EVICTING,))[0][0])  # type: ignore[call-overload]
+
+    # -- leases -----------------------------------------------------------------------------
+
+    def add_lease(self, lease_id: str, digests: Sequence[str], expiry: float) -> None:
+        with self.transaction() as c:
+            c.executemany(
+                "INSERT INTO leases(id, digest, owner, expiry) VALUES (?, ?, ?, ?)",
+                [(lease_id, d, self.pid, expiry) for d in digests],
+            )
+
+    def drop_lease(self, lease_id: str) -> None:
+        with self.transaction() as c:
+            c.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
+
+    # -- the local tier's accounting --------------------------------------------------------
+
+    def local_reserve(
+        self, digest: str, phys: int, capacity: int | None
+    ) -> tuple[bool, list[tuple[str, int]]]:
+        """Count a local block (unless counted); return (newly counted, LRU victims removed from the
+        count to make room, which the caller deletes). Victims are unpinned blocks only."""
+        now = time.time()
+        with self.transaction() as c:
+            if c.execute("SELECT 1 FROM local WHERE digest = ?", (digest,)).fetchone():
+                c.execute("UPDATE local SET atime = ? WHERE digest = ?", (now, digest))
+                return False, []
+            used = _meta(c, "local_used")
+            victims: list[tuple[str, int]] = []
+            if capacity is not None and used + phys > capacity:
+                found = _lru_unpinned(c, "local", used + phys - capacity, now, exclude=[])
+                if found is None:
+                    raise OverflowError(used + phys - capacity)
+                victims = [(v[0], v[2]) for v in found]
+                c.executemany("DELETE FROM local WHERE digest = ?", [(v[0],) for v in victims])
+                used -= sum(v[1] for v in victims)
+            c.execute("INSERT INTO local(digest, phys, atime) VALUES (?, ?, ?)", (digest, phys, now))
+            _set_meta(c, "local_used", used + phys)
+        return True, victims
+
+    def local_forget(self, digests: Iterable[str]) -> None:
+        with self.transaction() as c:
+            freed = 0
+            for d in digests:
+                row = c.execute("SELECT phys FROM local WHERE digest = ?", (d,)).fetchone()
+                if row is not None:
+                    c.execute("DELETE FROM local WHERE digest = ?", (d,))
+                    freed += int(row[0])
+            _set_meta(c, "local_used", _meta(c, "local_used") - freed)
+
+    # -- rebuild and sweep ------------------------------------------------------------------
+
+    def load(
+        self, pool: Sequence[tuple[str, int, int, float]], local: Sequence[tuple[str, int, float]]
+    ) -> None:
+        """Replace the contents with what a scan of the tiers found (``(digest, size, phys, mtime)``
+        pool files, ``(digest, phys, mtime)`` local files)."""
+        with self.transaction() as c:
+            c.execute("DELETE FROM blocks")
+            c.execute("DELETE FROM local")
+            c.executemany(
+                "INSERT INTO blocks(digest, size, phys, state, owner, atime) VALUES (?, ?, ?, ?, NULL, ?)",
+                [(d, s, p, READY, t) for d, s, p, t in pool],
+            )
+            c.executemany("INSERT INTO local(digest, phys, atime) VALUES (?, ?, ?)", local)
+            _set_meta(c, "used", sum(p for _, _, p, _ in pool))
+            _set_meta(c, "local_used", sum(p for _, p, _ in local))
+
+    def sweep_dead(self) -> tuple[list[str], list[str]]:
+        """Drop the leases of dead processes; return the digests a dead process was ``WRITING``
+        (the caller checks their files) and the ones it was ``EVICTING`` (now ``READY`` again)."""
+        owners = [int(r[0]) for r in self._read("SELECT DISTINCT owner FROM leases")]  # type: ignore[call-overload]
+        owners += [int(r[0]) for r in self._read("SELECT DISTINCT owner FROM blocks WHERE owner IS NOT NULL")]  # type: ignore[call-overload]
+        dead = sorted({o for o in owners if o != self.pid and not pid_alive(o)})
+        if not dead:
+            return [], []
+        marks = ",".join("?" * len(dead))
+        with self.transaction() as c:
+            c.execute(f"DELETE FROM leases WHERE owner IN ({marks})", dead)
+            writing = [
+                r[0]
+                for r in c.execute(
+                    f"SELECT digest FROM blocks WHERE state = ? AND owner IN ({marks})", (WRITING, *dead)
+                )
+            ]
+            evicting = [
+                r[0]
+                for r in c.execute(
+                    f"SELECT digest FROM blocks WHERE state = ? AND owner IN ({marks})", (EVICTING, *dead)
+                )
+            ]
+            c.execute(
+                f"UPDATE blocks SET state = ?, owner = NULL WHERE state = ? AND owner IN ({marks})",
+                (READY, EVICTING, *dead),
+            )
+        return writing, evicting
+
+    def adopt(self, digests: Sequence[str]) -> None:
+        """Take over ``WRITING`` rows of dead processes whose files turned out whole: ``READY``."""
+        with self.transaction() as c:
+            c.executemany(
+                "UPDATE blocks SET state = ?, owner = NULL WHERE digest = ? AND state = ?",
+                [(READY, d, WRITING) for d in digests],
+            )
+
+    def writers_alive(self) -> set[str]:
+        """Digests some live process is writing now (their temporary files must stay)."""
+        rows = self._read("SELECT digest, owner FROM blocks WHERE state = ?", (WRITING,))
+        return {str(d) for d, o in rows if isinstance(o, int) and pid_alive(o)}
+
+
+def _meta(c: sqlite3.Connection, key: str) -> int:
+    return int(c.execute("SELECT v FROM meta WHERE k = ?", (key,)).fetchone()[0])
+
+
+def _set_meta(c: sqlite3.Connection, key: str, value: int) -> None:
+    c.execute("UPDATE meta SET v = ? WHERE k = ?", (value, key))
+
+
+def _lru_unpinned(
+    c: sqlite3.Connection,
+    table: str,
+    need: int,
+    now: float,
+    *,
+    exclude: Sequence[Victim],
+    partial: bool = False,
+) -> list[tuple[str, int, int, str | None]] | None:
+    """LRU unpinned blocks of ``table`` whose bytes add up to ``need`` (None if they cannot, unless
+    ``partial``); pool blocks must be ``READY``. Rows: ``(digest, size, phys, lower)``."""
+    skip = {v.digest for v in exclude}
+    if table == "blocks":
+        sql = (
+            f"SELECT digest, size, phys, lower FROM blocks b WHERE state = {READY} AND "
+            f"{_UNPINNED.format(t='b')} ORDER BY atime"
+        )
+    else:
+        sql = f"SELECT digest, 0, phys, NULL FROM local t WHERE {_UNPINNED.format(t='t')} ORDER BY atime"
+    found: list[tuple[str, int, int, str | None]] = []
+    total = 0
+    for row in c.execute(sql, (now,)):
+        if row[0] in skip:
+            continue
+        found.append((str(row[0]), int(row[1]), int(row[2]), row[3]))
+        total += int(row[2])
+        if total >= need:
+            return found
+    return found if partial else None

@@ -1,0 +1,152 @@
+"""The store's plain data: its configuration, per-key results, events, statistics and leases.
+
+Re-exported by :mod:`shoal.kv.store` (the names of the contract live there); kept apart so that
+the pool and the lower tiers can use them without importing the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from shoal.errors import ConfigError, ShoalError
+from shoal.kv.keys import BlockKey
+
+DRAM = "dram"
+LOCAL = "local"
+SHARED = "shared"
+TIERS = (DRAM, LOCAL, SHARED)
+
+GetStatus = Literal["hit", "miss", "error"]
+MissReason = Literal["absent", "deadline", "corrupt"]
+EventKind = Literal["stored", "evicted", "written_back", "corrupt", "removed"]
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """Where a :class:`~shoal.kv.store.KVStore` keeps blocks and how much of each tier it may use."""
+
+    dram_root: str
+    """A directory on tmpfs (``/dev/shm/...``): the host pool, shared by this user's processes."""
+    dram_bytes: int
+    """The pool's capacity in physical bytes (page-rounded block files, headers included)."""
+    local_root: str | None = None
+    """The host's NVMe tier (a private directory); None: no local tier."""
+    local_bytes: int | None = None
+    """The local tier's capacity in physical bytes; None: unbounded."""
+    shared_url: str | None = None
+    """The shared tier (an fsspec URL such as ``s3://bucket/kv``, or a directory); None: none."""
+    storage_options: Mapping[str, Any] | None = None
+    """fsspec options of the shared tier (endpoint, credentials)."""
+    eviction: str = "lru"
+    """The pool's eviction policy; ``"lru"`` (least recently put or read first) is the one there is."""
+    writeback: bool = True
+    """A block evicted from DRAM is written to the next tier (local, else shared) in the background."""
+    high_water: float = 0.9
+    """Background eviction starts when the pool is fuller than this fraction of ``dram_bytes``."""
+    lease_s: float = 30.0
+    """The default length of a :meth:`~shoal.kv.store.KVStore.pin` lease in seconds."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dram_root, str) or not self.dram_root:
+            raise ConfigError(f"KVConfig.dram_root must be a directory path, got {self.dram_root!r}")
+        for name in ("dram_bytes", "local_bytes"):
+            value = getattr(self, name)
+            if value is None and name == "local_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"KVConfig.{name} must be a positive number of bytes, got {value!r}")
+        if self.eviction != "lru":
+            raise ConfigError(
+                f"KVConfig.eviction must be 'lru' (the one policy there is), got {self.eviction!r}"
+            )
+        if not 0.0 < self.high_water <= 1.0:
+            raise ConfigError(f"KVConfig.high_water must be in (0, 1], got {self.high_water!r}")
+        if not self.lease_s > 0:
+            raise ConfigError(f"KVConfig.lease_s must be positive seconds, got {self.lease_s!r}")
+
+
+@dataclass(frozen=True)
+class GetResult:
+    """What :meth:`~shoal.kv.store.KVStore.get_batch_into` did for one key."""
+
+    key: BlockKey
+    status: GetStatus
+    """``hit``: the buffer holds the verified block; ``miss``: recompute it; ``error``: see ``error``."""
+    tier: str | None = None
+    """Where the bytes came from, on a hit (``dram``, ``local``, ``shared``)."""
+    nbytes: int = 0
+    """Bytes placed in the buffer (0 unless a hit)."""
+    error: ShoalError | None = None
+    """Why, for ``error`` (a wrong buffer size, a tier that failed)."""
+    reason: MissReason | None = None
+    """For a miss: ``absent`` (no tier has it), ``deadline`` (not in time), ``corrupt`` (only bad copies)."""
+
+    @property
+    def hit(self) -> bool:
+        """Whether the buffer holds the block."""
+        return self.status == "hit"
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What :meth:`~shoal.kv.store.KVStore.put_batch` did for one key."""
+
+    key: BlockKey
+    stored: bool
+    """True when this call stored the block; False when it was there already (or an error)."""
+    tier: str | None = None
+    """The tier it was stored in (or found in, when already present)."""
+    error: ShoalError | None = None
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """One thing that happened to a block, given to every listener of the store that saw it."""
+
+    kind: EventKind
+    key: BlockKey | None
+    """The key; None when the pool evicted a block it knows only by digest (another process put it)."""
+    tier: str
+    nbytes: int
+    at: float
+    """``time.monotonic()`` when it happened."""
+    digest: str = ""
+    """The key digest (always set, also when ``key`` is None)."""
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier's numbers: contents (host-wide for dram/local) and this store's traffic."""
+
+    blocks: int | None
+    """Blocks held (host-wide); None where the tier is not counted (shared: never listed)."""
+    bytes_used: int | None
+    """Physical bytes (page-rounded files) for dram and local; None for shared."""
+    capacity: int | None
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """:meth:`~shoal.kv.store.KVStore.stats`: one :class:`TierStats` per configured tier."""
+
+    tiers: Mapping[str, TierStats]
+    pending_writebacks: int = 0
+    corrupt: int = 0
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A pin on some blocks (:meth:`~shoal.kv.store.KVStore.pin`): none is evicted until it is
+    unpinned, it expires, or its owner process dies."""
+
+    lease_id: str
+    keys: tuple[BlockKey, ...]
+    expires_at: float
+    """Wall-clock (``time.time()``) expiry, comparable across the host's processes."""
+    digests: tuple[str, ...] = field(default=(), repr=False)

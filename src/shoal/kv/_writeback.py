@@ -1,0 +1,173 @@
+"""Eviction and write-back of pool blocks, and promotion of lower-tier hits, off the caller's path.
+
+One :class:`WriteBack` per store: a daemon thread that takes jobs from a queue. ``kick`` asks it to
+claim least-recently-used unpinned blocks until the pool is under its high-water mark and evict
+them; ``promote`` asks it to copy a block read from a lower tier into the pool. :meth:`evict` is
+also called inline by a put that found no room. Evicting one block: write it to the next tier
+(verified first; skipped when the index says a lower tier has it, or with ``writeback=False``),
+unlink the pool file, then free its bytes in the index, in that order, so the files never hold
+more than the index counts. A block whose write-back failed goes back to ``READY`` (still served).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from shoal.errors import ChecksumMismatch, FormatError, ShoalError
+from shoal.kv._index import Victim
+from shoal.kv.blockfile import HEADER_SIZE, decode_block
+from shoal.kv.lower import LowerTier
+from shoal.kv.pool import DramPool
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[str, str, str, int], None]
+"""``emit(kind, digest, tier, nbytes)``: the store's event hook."""
+Promote = Callable[[str, memoryview, str], None]
+"""``promote(digest, payload, lower_tier)``: the store's put into the pool."""
+
+
+class WriteBack:
+    """The store's background evictor (module docstring)."""
+
+    def __init__(
+        self,
+        pool: DramPool,
+        next_tier: LowerTier | None,
+        *,
+        writeback: bool,
+        high_water_bytes: int,
+        emit: Emit,
+        promote: Promote,
+    ) -> None:
+        self.pool = pool
+        self.next_tier = next_tier if writeback else None
+        self.high_water_bytes = high_water_bytes
+        self._emit = emit
+        self._promote = promote
+        self._jobs: queue.Queue[tuple[str, str, bytes, str] | None] = queue.Queue(maxsize=256)
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._kicked = False
+        self.written_back = 0
+        self._thread = threading.Thread(target=self._run, name="shoal-kv-writeback", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side ------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Evict down to the high-water mark in the background (one request queued at a time)."""
+        with self._idle:
+            if self._kicked:
+                return
+            self._kicked = True
+        self._submit(("kick", "", b"", ""))
+
+    def promote(self, digest: str, payload: bytes, lower: str) -> None:
+        """Copy a lower-tier hit into the pool in the background (dropped if the queue is full)."""
+        self._submit(("promote", digest, payload, lower), block=False)
+
+    def _submit(self, job: tuple[str, str, bytes, str], *, block: bool = True) -> None:
+        with self._idle:
+            self._pending += 1
+        try:
+            self._jobs.put(job, block=block)
+        except queue.Full:
+            self._done()
+
+    def pending(self) -> int:
+        with self._idle:
+            return self._pending
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued job ran; whether they did within ``timeout``."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._pending:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        self.flush(timeout)
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    # -- evicting ---------------------------------------------------------------------------
+
+    def evict(self, victims: Sequence[Victim]) -> None:
+        """Write back (where needed), unlink and free each claimed victim; give back those that fail."""
+        failed: list[str] = []
+        freed: list[Victim] = []
+        for victim in victims:
+            try:
+                target = self._write_back(victim)
+            except (ShoalError, OSError) as e:
+                log.warning("KV pool: write-back of block %s failed, it stays in DRAM: %s", victim.digest, e)
+                failed.append(victim.digest)
+                continue
+            self.pool.unlink(victim.digest)
+            freed.append(victim)
+            if target is not None:
+                self.written_back += 1
+                self._emit("written_back", victim.digest, target, victim.size)
+        self.pool.index.release([v.digest for v in freed])
+        self.pool.index.unclaim(failed)
+        for victim in freed:
+            self._emit("evicted", victim.digest, "dram", victim.size)
+
+    def _write_back(self, victim: Victim) -> str | None:
+        """Copy one victim to the next tier; the tier it went to, or None if not copied."""
+        if self.next_tier is None or victim.lower is not None:
+            return None
+        try:
+            raw = self.pool.read_raw(victim.digest)
+        except FileNotFoundError:
+            return None  # removed meanwhile
+        try:
+            payload = decode_block(raw, victim.digest, self.pool.path(victim.digest))
+        except (FormatError, ChecksumMismatch) as e:
+            log.warning("KV pool: block %s is corrupt, dropped instead of written back: %s", victim.digest, e)
+            self._emit("corrupt", victim.digest, "dram", victim.size)
+            return None
+        self.next_tier.write(victim.digest, raw[:HEADER_SIZE], payload)
+        return self.next_tier.name
+
+    # -- the thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            kind, digest, payload, lower = job
+            try:
+                if kind == "kick":
+                    with self._idle:
+                        self._kicked = False
+                    self._evict_to_high_water()
+                else:
+                    self._promote(digest, memoryview(payload), lower)
+            except Exception:  # noqa: BLE001 - a background job must not kill the thread
+                log.exception("KV store background job %s %s failed", kind, digest)
+            finally:
+                self._done()
+
+    def _evict_to_high_water(self) -> None:
+        for _ in range(64):
+            victims = self.pool.index.claim_above(self.high_water_bytes)
+            if not victims:
+                return
+            self.evict(victims)
+
+    def _done(self) -> None:
+        with self._idle:
+            self._pending -= 1
+            if not self._pending:
+                self._idle.notify_all()

@@ -1,0 +1,538 @@
+"""``KVStore``: the KV-cache block store a serving engine's offload path calls.
+
+Blocks are content-addressed by :class:`~shoal.kv.keys.BlockKey`; every call is batch-first and
+reports per key instead of raising on a miss:
+
+* :meth:`KVStore.put_batch` stores blocks in the host DRAM pool (idempotent: a block the pool
+  holds, or another process is storing, is not written again). When the pool is full, the least
+  recently used unpinned blocks are evicted first (written back to the next tier); when nothing
+  can be evicted (everything pinned), the block goes straight to the next tier (local, else
+  shared), and only without one is it an ``InsufficientMemory`` error result.
+* :meth:`KVStore.get_batch_into` reads into the caller's buffers: one pass over the pool, then the
+  rest from local disk, then from the shared tier in parallel threads; every block is verified
+  (BLAKE3 of header and payload) before it counts as a hit; a torn or corrupt copy is deleted, a
+  ``corrupt`` event is emitted and the next tier is tried. At the ``deadline`` whatever has not
+  arrived is a miss (reason ``deadline``) so the caller recomputes; a shared read still running
+  then is abandoned (it never writes into the caller's buffer). A local-disk read is not
+  interrupted: it can finish up to one block read after the deadline. The buffer of any key
+  that is not a hit holds unspecified bytes. Lower-tier hits are promoted into the pool in the
+  background.
+* The pool is shared by every process of this user on the host (:mod:`shoal.kv.pool`), so a
+  block any of them put is served from memory to all; its capacity is counted in physical bytes
+  and never exceeded. Above ``high_water`` a background thread evicts down to it, writing back.
+
+Events (``stored``, ``evicted``, ``written_back``, ``corrupt``, ``removed``) go to the listeners
+of the store that saw them, on the thread that saw them (the caller's or the write-back thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+from shoal.errors import (
+    BoundaryTimeout,
+    ChecksumMismatch,
+    ConfigError,
+    FormatError,
+    InsufficientMemory,
+    ShoalError,
+    StateError,
+)
+from shoal.kv._buffers import block_view, writable_view
+from shoal.kv._index import EVICTING, READY, WRITING
+from shoal.kv._results import (
+    DRAM,
+    LOCAL,
+    SHARED,
+    GetResult,
+    KVConfig,
+    KVEvent,
+    KVStats,
+    Lease,
+    PutResult,
+    TierStats,
+)
+from shoal.kv._writeback import WriteBack
+from shoal.kv.blockfile import encode_header
+from shoal.kv.keys import BlockKey
+from shoal.kv.lower import LocalBlocks, LowerTier, SharedBlocks, tier_error
+from shoal.kv.pool import BufferSizeError, DramPool, physical_bytes
+
+log = logging.getLogger(__name__)
+
+Buffer = Any
+"""Anything exposing the buffer protocol, or a CPU torch tensor."""
+
+__all__ = [
+    "DRAM",
+    "LOCAL",
+    "SHARED",
+    "Buffer",
+    "GetResult",
+    "KVConfig",
+    "KVEvent",
+    "KVStats",
+    "KVStore",
+    "Lease",
+    "PutResult",
+    "TierStats",
+]
+
+_KEY_MEMORY = 1 << 16
+_SHARED_THREADS = 8
+
+
+class _Counters:
+    """This store's traffic on one tier."""
+
+    __slots__ = ("bytes_read", "bytes_written", "hits", "misses")
+
+    def __init__(self) -> None:
+        self.hits = self.misses = self.bytes_read = self.bytes_written = 0
+
+
+class KVStore:
+    """The block store of one process (module docstring); joins, or creates, the host's pool."""
+
+    def __init__(self, config: KVConfig) -> None:
+        if not isinstance(config, KVConfig):
+            raise ConfigError(f"KVStore takes a KVConfig, got {type(config).__name__}")
+        self.config = config
+        self._local = LocalBlocks(config.local_root, config.local_bytes) if config.local_root else None
+        self._pool = DramPool(
+            config.dram_root, config.dram_bytes, self._local.scan if self._local is not None else None
+        )
+        self._shared = SharedBlocks(config.shared_url, config.storage_options) if config.shared_url else None
+        if self._local is not None:
+            self._local.index = self._pool.index
+            if self._shared is not None and config.writeback:
+                self._local.spill = self._shared
+        self._lower: list[LowerTier] = [t for t in (self._local, self._shared) if t is not None]
+        self._listeners: list[Callable[[KVEvent], None]] = []
+        self._counters = {name: _Counters() for name in (DRAM, LOCAL, SHARED)}
+        self._corrupt = 0
+        self._keys: OrderedDict[str, BlockKey] = OrderedDict()
+        self._readers: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._writeback = WriteBack(
+            self._pool,
+            self._lower[0] if self._lower else None,
+            writeback=config.writeback,
+            high_water_bytes=int(config.high_water * config.dram_bytes),
+            emit=self._emit,
+            promote=self._promote,
+        )
+
+    # -- put ------------------------------------------------------------------------------
+
+    def put_batch(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer]) -> list[PutResult]:
+        """Store each block under its key (module docstring); one result per key, in order."""
+        self._check_open()
+        if len(keys) != len(blocks):
+            raise ConfigError(f"put_batch got {len(keys)} keys but {len(blocks)} blocks")
+        results: list[PutResult | None] = [None] * len(keys)
+        items: dict[str, tuple[memoryview, str | None]] = {}
+        for i, (key, block) in enumerate(zip(keys, blocks, strict=True)):
+            self._remember(key)
+            if key.digest in items:
+                continue
+            try:
+                view = block_view(block, f"block {i} ({key.digest})")
+            except ConfigError as e:
+                results[i] = PutResult(key, False, None, e)
+                continue
+            local_copy = LOCAL if self._local is not None and self._local.exists(key.digest) else None
+            items[key.digest] = (view, local_copy)
+        outcomes = self._put_dram(items)
+        seen: set[str] = set()
+        for i, key in enumerate(keys):
+            if results[i] is None:
+                stored, tier, error = outcomes[key.digest]
+                results[i] = PutResult(key, stored and key.digest not in seen, tier, error)
+                seen.add(key.digest)
+        if self._pool.index.last_used > self._writeback.high_water_bytes:
+            self._writeback.kick()
+        return [r for r in results if r is not None]
+
+    def _put_dram(
+        self, items: dict[str, tuple[memoryview, str | None]]
+    ) -> dict[str, tuple[bool, str | None, ShoalError | None]]:
+        """Put blocks into the pool, evicting inline when full; the rest to the next tier (or errors)."""
+        out: dict[str, tuple[bool, str | None, ShoalError | None]] = {}
+        pending = list(items)
+        last: dict[str, tuple[int, int]] = {}
+        for attempt in range(6):
+            reqs = [(d, items[d][0].nbytes, physical_bytes(items[d][0].nbytes)) for d in pending]
+            reservations, victims = self._pool.index.reserve(reqs, self.config.writeback)
+            written: list[tuple[str, str | None]] = []
+            full: list[str] = []
+            for r in reservations:
+                view, lower = items[r.digest]
+                if r.outcome == "present":
+                    out[r.digest] = (False, DRAM, None)
+                elif r.outcome == "full":
+                    full.append(r.digest)
+                    last[r.digest] = (r.needed, r.free)
+                else:
+                    out[r.digest] = self._write_pool_file(r.digest, view)
+                    if out[r.digest][0]:
+                        written.append((r.digest, lower))
+            self._pool.index.mark_ready(written)
+            for digest, _ in written:
+                self._emit("stored", digest, DRAM, items[digest][0].nbytes)
+            if victims:
+                self._writeback.evict(victims)
+            pending = full
+            if not pending:
+                break
+            if not victims:  # nothing evictable now: dead processes' rows, or others' write-backs
+                if attempt == 0:
+                    self._pool.sweep()
+                elif self._pool.index.evicting_count() == 0 or attempt >= 4:
+                    break
+                else:
+                    time.sleep(0.02 * attempt)
+        for digest in pending:
+            out[digest] = self._overflow(digest, items[digest], *last[digest])
+        return out
+
+    def _write_pool_file(self, digest: str, view: memoryview) -> tuple[bool, str | None, ShoalError | None]:
+        try:
+            self._pool.write_file(digest, encode_header(digest, view), view)
+        except (ShoalError, OSError) as e:
+            self._pool.index.release([digest], states=(WRITING,))
+            return False, None, tier_error(DRAM, digest, e)
+        self._counters[DRAM].bytes_written += view.nbytes
+        return True, DRAM, None
+
+    def _overflow(
+        self, digest: str, item: tuple[memoryview, str | None], needed: int, free: int
+    ) -> tuple[bool, str | None, ShoalError | None]:
+        """A block the pool cannot take: straight to the next tier, or an error naming the bytes."""
+        view, lower = item
+        if lower is not None:
+            return False, lower, None
+        if not self._lower:
+            return (
+                False,
+                None,
+                InsufficientMemory(
+                    f"KV pool {self._pool.root} needs {needed} bytes for block {digest} but only {free} "
+                    f"of its {self._pool.capacity} bytes are free and every other block is pinned or "
+                    f"being written; "
+                    f"unpin blocks, raise KVConfig.dram_bytes, or configure a local or shared tier"
+                ),
+            )
+        tier = self._lower[0]
+        try:
+            tier.write(digest, encode_header(digest, view), view)
+        except (ShoalError, OSError) as e:
+            return False, None, tier_error(tier.name, digest, e)
+        self._counters[tier.name].bytes_written += view.nbytes
+        self._emit("stored", digest, tier.name, view.nbytes)
+        return True, tier.name, None
+
+    def _promote(self, digest: str, payload: memoryview, lower: str) -> None:
+        """The write-back thread's job: copy a lower-tier hit into the pool (best effort)."""
+        if not self._closed:
+            self._put_dram({digest: (payload, lower)})
+
+    # -- get ------------------------------------------------------------------------------
+
+    def get_batch_into(
+        self, keys: Sequence[BlockKey], buffers: Sequence[Buffer], *, deadline: float | None = None
+    ) -> list[GetResult]:
+        """Fill each buffer with its key's verified block (module docstring); one result per key."""
+        self._check_open()
+        if len(keys) != len(buffers):
+            raise ConfigError(f"get_batch_into got {len(keys)} keys but {len(buffers)} buffers")
+        results: list[GetResult | None] = [None] * len(keys)
+        views: dict[int, memoryview] = {}
+        for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
+            self._remember(key)
+            try:
+                views[i] = writable_view(buf, f"buffer {i} for block {key.digest}")
+            except ConfigError as e:
+                results[i] = GetResult(key, "error", error=e)
+        corrupt: set[int] = set()
+        todo = self._read_pass(self._pool_read, DRAM, keys, views, results, corrupt, deadline)
+        if self._local is not None:
+            todo = self._read_pass(self._local.read_into, LOCAL, keys, todo, results, corrupt, deadline)
+        if self._shared is not None and todo:
+            todo = self._shared_pass(keys, todo, results, corrupt, deadline)
+        for i in todo:
+            results[i] = GetResult(keys[i], "miss", reason="corrupt" if i in corrupt else "absent")
+        return [
+            r if r is not None else GetResult(keys[i], "miss", reason="absent") for i, r in enumerate(results)
+        ]
+
+    def _pool_read(self, digest: str, out: memoryview) -> bool:
+        return self._pool.read_into(digest, out)
+
+    def _read_pass(
+        self,
+        read: Callable[[str, memoryview], bool],
+        tier: str,
+        keys: Sequence[BlockKey],
+        views: dict[int, memoryview],
+        results: list[GetResult | None],
+        corrupt: set[int],
+        deadline: float | None,
+    ) -> dict[int, memoryview]:
+        """Read what ``tier`` holds of ``views``, in the calling thread; return what is still missing."""
+        missing: dict[int, memoryview] = {}
+        hits: list[str] = []
+        counters = self._counters[tier]
+        for i, view in views.items():
+            key = keys[i]
+            if deadline is not None and time.monotonic() >= deadline:
+                results[i] = GetResult(key, "miss", reason="deadline")
+                continue
+            try:
+                found = read(key.digest, view)
+            except BufferSizeError as e:
+                results[i] = GetResult(key, "error", error=ConfigError(str(e)))
+                continue
+            except (FormatError, ChecksumMismatch) as e:
+                self._drop_corrupt(key.digest, tier, e)
+                corrupt.add(i)
+                found = False
+            except (ShoalError, OSError) as e:
+                results[i] = GetResult(key, "error", error=tier_error(tier, key.digest, e))
+                continue
+            if found:
+                results[i] = GetResult(key, "hit", tier=tier, nbytes=view.nbytes)
+                counters.hits += 1
+                counters.bytes_read += view.nbytes
+                hits.append(key.digest)
+                if tier != DRAM:
+                    self._writeback.promote(key.digest, bytes(view), tier)
+            else:
+                counters.misses += 1
+                missing[i] = view
+        if tier == DRAM:
+            self._pool.index.touch(hits)
+        return missing
+
+    def _shared_pass(
+        self,
+        keys: Sequence[BlockKey],
+        views: dict[int, memoryview],
+        results: list[GetResult | None],
+        corrupt: set[int],
+        deadline: float | None,
+    ) -> dict[int, memoryview]:
+        """Fetch the rest from the shared tier in parallel, waiting no later than ``deadline``."""
+        assert self._shared is not None
+        shared = self._shared
+        pool = self._reader_pool()
+        futures: dict[int, Future[memoryview | None]] = {
+            i: pool.submit(shared.fetch, keys[i].digest) for i in views
+        }
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        wait_futures(list(futures.values()), timeout=timeout)
+        missing: dict[int, memoryview] = {}
+        counters = self._counters[SHARED]
+        for i, fut in futures.items():
+            key, view = keys[i], views[i]
+            if not fut.done():
+                fut.cancel()  # abandoned: it never touches the caller's buffer
+                results[i] = GetResult(key, "miss", reason="deadline")
+                continue
+            try:
+                payload = fut.result()
+            except (FormatError, ChecksumMismatch) as e:
+                self._drop_corrupt(key.digest, SHARED, e)
+                corrupt.add(i)
+                payload = None
+            except (ShoalError, OSError) as e:
+                results[i] = GetResult(key, "error", error=tier_error(SHARED, key.digest, e))
+                continue
+            if payload is None:
+                counters.misses += 1
+                missing[i] = view
+            elif payload.nbytes != view.nbytes:
+                results[i] = GetResult(
+                    key,
+                    "error",
+                    error=ConfigError(
+                        f"block {key.digest} on the shared tier is {payload.nbytes} bytes, the buffer is "
+                        f"{view.nbytes} bytes; pass a buffer of the block's size"
+                    ),
+                )
+            else:
+                view[:] = payload
+                results[i] = GetResult(key, "hit", tier=SHARED, nbytes=view.nbytes)
+                counters.hits += 1
+                counters.bytes_read += view.nbytes
+                self._writeback.promote(key.digest, bytes(payload), SHARED)
+        return missing
+
+    def _drop_corrupt(self, digest: str, tier: str, err: ShoalError) -> None:
+        """A torn or corrupt copy: never served; deleted (so a good copy can replace it) and reported."""
+        log.warning("KV store: %s copy of block %s is corrupt, deleted: %s", tier, digest, err)
+        self._corrupt += 1
+        try:
+            if tier == DRAM:
+                self._pool.unlink(digest)
+                self._pool.index.release([digest], states=(WRITING, READY, EVICTING))
+            elif tier == LOCAL and self._local is not None:
+                self._local.delete(digest)
+            elif tier == SHARED and self._shared is not None:
+                self._shared.delete(digest)
+        except (ShoalError, OSError) as e:
+            log.warning("KV store: could not delete the corrupt %s copy of block %s: %s", tier, digest, e)
+        self._emit("corrupt", digest, tier, 0)
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(_SHARED_THREADS, thread_name_prefix="shoal-kv-read")
+        return self._readers
+
+    # -- membership, removal, pins ----------------------------------------------------------
+
+    def contains(self, key: BlockKey) -> str | None:
+        """The highest tier that holds ``key``'s block now, or None (a copy is not verified here)."""
+        self._check_open()
+        if self._pool.exists(key.digest):
+            return DRAM
+        for tier in self._lower:
+            try:
+                if tier.exists(key.digest):
+                    return tier.name
+            except (ShoalError, OSError) as e:
+                log.warning(
+                    "KV store: %s tier could not say whether it holds %s: %s", tier.name, key.digest, e
+                )
+        return None
+
+    def lookup_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """How many of ``keys``, from the first, are stored in some tier (the longest stored prefix)."""
+        self._check_open()
+        n = 0
+        for key in keys:
+            if self._pool.exists(key.digest) or (self._local is not None and self._local.exists(key.digest)):
+                n += 1
+            else:
+                break
+        if self._shared is None or n == len(keys):
+            return n
+        shared = self._shared
+        window = 16
+        while n < len(keys):
+            chunk = keys[n : n + window]
+            found = list(self._reader_pool().map(lambda k: shared.exists(k.digest), chunk))
+            for there in found:
+                if not there:
+                    return n
+                n += 1
+        return n
+
+    def remove(self, keys: Sequence[BlockKey]) -> int:
+        """Remove each block from every tier; the number of keys some tier held."""
+        self._check_open()
+        removed = 0
+        for key in keys:
+            was = self._pool.exists(key.digest)
+            self._pool.unlink(key.digest)
+            self._pool.index.release([key.digest], states=(WRITING, READY, EVICTING))
+            for tier in self._lower:
+                was = tier.delete(key.digest) or was
+            if was:
+                removed += 1
+                self._emit("removed", key.digest, "all", 0)
+        return removed
+
+    def pin(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> Lease:
+        """Keep ``keys`` from being evicted (on every process of the host) until :meth:`unpin`, the
+        lease's expiry (``lease_s``, default ``KVConfig.lease_s``) or this process's death."""
+        self._check_open()
+        seconds = self.config.lease_s if lease_s is None else lease_s
+        if not seconds > 0:
+            raise ConfigError(f"KVStore.pin: lease_s must be positive seconds, got {lease_s!r}")
+        lease = Lease(secrets.token_hex(8), tuple(keys), time.time() + seconds, tuple(k.digest for k in keys))
+        self._pool.index.add_lease(lease.lease_id, list(dict.fromkeys(lease.digests)), lease.expires_at)
+        return lease
+
+    def unpin(self, lease: Lease) -> None:
+        """End a lease (idempotent)."""
+        self._check_open()
+        self._pool.index.drop_lease(lease.lease_id)
+
+    # -- events, stats, lifecycle -----------------------------------------------------------
+
+    def add_listener(self, fn: Callable[[KVEvent], None]) -> None:
+        """Call ``fn(event)`` for every event this store sees (module docstring)."""
+        self._listeners.append(fn)
+
+    def _remember(self, key: BlockKey) -> None:
+        keys = self._keys
+        keys[key.digest] = key
+        if len(keys) > _KEY_MEMORY:
+            keys.popitem(last=False)
+
+    def _emit(self, kind: str, digest: str, tier: str, nbytes: int) -> None:
+        if kind == "written_back":
+            self._counters[tier].bytes_written += nbytes
+        if not self._listeners:
+            return
+        event = KVEvent(kind, self._keys.get(digest), tier, nbytes, time.monotonic(), digest)  # type: ignore[arg-type]
+        for fn in list(self._listeners):
+            try:
+                fn(event)
+            except Exception:  # noqa: BLE001 - a listener's bug must not fail the store
+                log.exception("KV store listener %r failed on %s", fn, event)
+
+    def stats(self) -> KVStats:
+        """Per tier: blocks and physical bytes (host-wide), capacity, and this store's traffic."""
+        pool_blocks, pool_bytes, local_blocks, local_bytes = self._pool.index.usage()
+        contents: dict[str, tuple[int | None, int | None, int | None]] = {
+            DRAM: (pool_blocks, pool_bytes, self.config.dram_bytes)
+        }
+        if self._local is not None:
+            contents[LOCAL] = (local_blocks, local_bytes, self.config.local_bytes)
+        if self._shared is not None:
+            contents[SHARED] = (None, None, None)
+        tiers = {}
+        for name, (blocks, used, cap) in contents.items():
+            c = self._counters[name]
+            tiers[name] = TierStats(blocks, used, cap, c.hits, c.misses, c.bytes_read, c.bytes_written)
+        return KVStats(tiers, self._writeback.pending(), self._corrupt)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until this store's pending write-backs and promotions landed."""
+        if not self._writeback.flush(timeout):
+            raise BoundaryTimeout(
+                f"KVStore.flush: {self._writeback.pending()} write-back jobs still pending after {timeout} s"
+            )
+
+    def close(self) -> None:
+        """Finish pending write-backs, stop the threads, close the index (idempotent)."""
+        if self._closed:
+            return
+        self._writeback.close()
+        self._closed = True
+        if self._readers is not None:
+            self._readers.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError(f"KVStore on {self._pool.root} is closed; open a new one")
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        tiers = [DRAM] + [t.name for t in self._lower]
+        return f"KVStore({self._pool.root!r}, tiers={tiers})"
