@@ -67,6 +67,14 @@ class KVConfig:
             raise ConfigError(f"KVConfig.lease_s must be positive seconds, got {self.lease_s!r}")
 
 
+class BlockSizeError(ConfigError):
+    """A buffer given to ``get_batch_into`` is not the stored block's size (``block_bytes``)."""
+
+    def __init__(self, message: str, block_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.block_bytes = block_bytes
+
+
 @dataclass(frozen=True)
 class GetResult:
     """What :meth:`~shoal.kv.store.KVStore.get_batch_into` did for one key."""

@@ -55,6 +55,10 @@ class LowerTier(Protocol):
 
     def exists(self, digest: str) -> bool: ...
 
+    def block_size(self, digest: str) -> int | None:
+        """Payload bytes of the tier's copy (from the file size), or None if absent."""
+        ...
+
     def delete(self, digest: str) -> bool:
         """Remove the block; whether it was there."""
         ...
@@ -123,7 +127,8 @@ class LocalBlocks:
             if size - HEADER_SIZE != out.nbytes and size >= HEADER_SIZE:
                 raise BufferSizeError(
                     f"block {digest} on the local tier is {size - HEADER_SIZE} bytes, the buffer is "
-                    f"{out.nbytes} bytes; pass a buffer of the block's size"
+                    f"{out.nbytes} bytes; pass a buffer of the block's size",
+                    size - HEADER_SIZE,
                 )
             head = bytearray(HEADER_SIZE)
             got = os.preadv(fd, [head, out], 0)
@@ -136,6 +141,12 @@ class LocalBlocks:
 
     def exists(self, digest: str) -> bool:
         return self.tier.exists(block_path(digest))
+
+    def block_size(self, digest: str) -> int | None:
+        try:
+            return max(0, self.tier.info(block_path(digest)).size - HEADER_SIZE)
+        except MissingFile:
+            return None
 
     def delete(self, digest: str) -> bool:
         there = self.exists(digest)
@@ -197,13 +208,20 @@ class SharedBlocks:
             return False
         if payload.nbytes != out.nbytes:
             raise BufferSizeError(
-                f"block {digest} on the shared tier is {payload.nbytes} bytes, the buffer is {out.nbytes}"
+                f"block {digest} on the shared tier is {payload.nbytes} bytes, the buffer is {out.nbytes}",
+                payload.nbytes,
             )
         out[:] = payload
         return True
 
     def exists(self, digest: str) -> bool:
         return self.tier.exists(block_path(digest))
+
+    def block_size(self, digest: str) -> int | None:
+        try:
+            return max(0, self.tier.info(block_path(digest)).size - HEADER_SIZE)
+        except MissingFile:
+            return None
 
     def delete(self, digest: str) -> bool:
         there = self.exists(digest)

@@ -58,6 +58,10 @@ def is_digest_name(name: str) -> bool:
 class BufferSizeError(ValueError):
     """The caller's buffer is not the block's size (the store turns it into an error result)."""
 
+    def __init__(self, message: str, block_bytes: int) -> None:
+        super().__init__(message)
+        self.block_bytes = block_bytes
+
 
 class DramPool:
     """The files of the host pool and its index (module docstring). Created by ``KVStore``."""
@@ -205,7 +209,8 @@ class DramPool:
                     raise FormatError(f"block file {path} is {size} bytes, shorter than its header")
                 raise BufferSizeError(
                     f"block {digest} in the KV pool is {size - HEADER_SIZE} bytes, the buffer is "
-                    f"{out.nbytes} bytes; pass a buffer of the block's size"
+                    f"{out.nbytes} bytes; pass a buffer of the block's size",
+                    size - HEADER_SIZE,
                 )
             head = bytearray(HEADER_SIZE)
             got = os.preadv(fd, [head, out], 0)
@@ -227,6 +232,13 @@ class DramPool:
 
     def exists(self, digest: str) -> bool:
         return os.path.isfile(self.path(digest))
+
+    def block_size(self, digest: str) -> int | None:
+        """The payload bytes of the pool's copy (from its file size), or None."""
+        try:
+            return max(0, os.stat(self.path(digest), follow_symlinks=False).st_size - HEADER_SIZE)
+        except FileNotFoundError:
+            return None
 
     def unlink(self, digest: str) -> None:
         with suppress(FileNotFoundError):

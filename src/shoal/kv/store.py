@@ -51,6 +51,7 @@ from shoal.kv._results import (
     DRAM,
     LOCAL,
     SHARED,
+    BlockSizeError,
     GetResult,
     KVConfig,
     KVEvent,
@@ -71,6 +72,7 @@ Buffer = Any
 """Anything exposing the buffer protocol, or a CPU torch tensor."""
 
 __all__ = [
+    "BlockSizeError",
     "DRAM",
     "LOCAL",
     "SHARED",
@@ -298,7 +300,7 @@ class KVStore:
             try:
                 found = read(key.digest, view)
             except BufferSizeError as e:
-                results[i] = GetResult(key, "error", error=ConfigError(str(e)))
+                results[i] = GetResult(key, "error", error=BlockSizeError(str(e), e.block_bytes))
                 continue
             except (FormatError, ChecksumMismatch) as e:
                 self._drop_corrupt(key.digest, tier, e)
@@ -362,9 +364,10 @@ class KVStore:
                 results[i] = GetResult(
                     key,
                     "error",
-                    error=ConfigError(
+                    error=BlockSizeError(
                         f"block {key.digest} on the shared tier is {payload.nbytes} bytes, the buffer is "
-                        f"{view.nbytes} bytes; pass a buffer of the block's size"
+                        f"{view.nbytes} bytes; pass a buffer of the block's size",
+                        payload.nbytes,
                     ),
                 )
             else:
@@ -412,6 +415,19 @@ class KVStore:
                     "KV store: %s tier could not say whether it holds %s: %s", tier.name, key.digest, e
                 )
         return None
+
+    def block_size(self, key: BlockKey) -> int | None:
+        """The stored block's size in bytes (from the highest tier holding it), or None."""
+        self._check_open()
+        size = self._pool.block_size(key.digest)
+        for tier in self._lower:
+            if size is not None:
+                break
+            try:
+                size = tier.block_size(key.digest)
+            except (ShoalError, OSError) as e:
+                log.warning("KV store: %s tier could not stat block %s: %s", tier.name, key.digest, e)
+        return size
 
     def lookup_prefix(self, keys: Sequence[BlockKey]) -> int:
         """How many of ``keys``, from the first, are stored in some tier (the longest stored prefix)."""
