@@ -215,6 +215,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--host-storage-mbit", type=float, default=200.0)
     ap.add_argument("--fabric-mbit", type=float, default=60.0)
     ap.add_argument("--storage-mbit", type=float, default=300.0)
+    ap.add_argument(
+        "--storage-cpus",
+        default=None,
+        help="CPUs (comma-separated) for the S3 server and the other tenant, e.g. 1; default: shared",
+    )
+    ap.add_argument("--job-cpus", default=None, help="CPUs (comma-separated) for the job's ranks, e.g. 0")
     ap.add_argument("--regimes", default="map,contended", help="map, contended, or both (comma-separated)")
     ap.add_argument("--only", default=None, help="run only regimes whose name contains this")
     ap.add_argument("--out", default=None, help="write the raw results here (JSON)")
@@ -247,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _cpus(text: str | None) -> tuple[int, ...] | None:
+    return None if text is None else tuple(int(c) for c in text.split(","))
+
+
 def _sweep(args: argparse.Namespace, regimes: list[Regime]) -> list[dict[str, Any]]:
     hosts = max(r.hosts for r in regimes) + 1  # the last host is the other tenant's
     spec = ClusterSpec(
@@ -254,6 +264,8 @@ def _sweep(args: argparse.Namespace, regimes: list[Regime]) -> list[dict[str, An
         host_storage_mbit=args.host_storage_mbit,
         fabric_mbit=args.fabric_mbit,
         storage_mbit=args.storage_mbit,
+        storage_cpus=_cpus(args.storage_cpus),
+        job_cpus=_cpus(args.job_cpus),
     )
     root = tempfile.mkdtemp(prefix="shoal-paths-")
     try:

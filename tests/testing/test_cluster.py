@@ -134,3 +134,29 @@ def test_run_ranks_on_the_first_hosts_only() -> None:
         for bad in (0, 4):
             with pytest.raises(ValueError, match=r"hosts must be in 1\.\.3"):
                 cluster.run_ranks("shoal.testing.cluster_scenarios:all_reduce_placement", 1, hosts=bad)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning apart needs at least two CPUs")
+def test_the_storage_side_and_the_job_run_on_the_cpus_the_spec_gives_them() -> None:
+    from shoal.testing.cluster_load import BackgroundLoad
+
+    storage, job = sorted(os.sched_getaffinity(0))[-1], sorted(os.sched_getaffinity(0))[0]
+    spec = ClusterSpec(hosts=2, storage_cpus=(storage,), job_cpus=(job,))
+    with Cluster(spec) as cluster:
+        s3 = cluster.s3_pid()
+        assert s3 is not None and os.sched_getaffinity(s3) == {storage}
+        with BackgroundLoad(cluster, host=1, writers=1, object_mib=0.25, pause=0.5):
+            pids = subprocess.run(
+                ["ip", "netns", "pids", cluster.host_ns(1)], capture_output=True, text=True, check=True
+            ).stdout.split()
+            assert len(pids) == 1
+            assert os.sched_getaffinity(int(pids[0])) == {storage}
+        placed = cluster.run_ranks("shoal.testing.cluster_scenarios:all_reduce_placement", 1, hosts=1)
+        assert placed[0]["cpus"] == [job]
+
+
+def test_a_spec_with_cpus_this_process_cannot_use_is_refused() -> None:
+    with pytest.raises(ValueError, match="ClusterSpec.job_cpus must be a non-empty set"):
+        ClusterSpec(job_cpus=(max(os.sched_getaffinity(0)) + 1000,))
+    with pytest.raises(ValueError, match="ClusterSpec.storage_cpus"):
+        ClusterSpec(storage_cpus=())

@@ -82,6 +82,12 @@ class ClusterSpec:
     storage_mbit: float = 400.0
     """The storage server's own link: what the whole cluster can get from or give to storage."""
     s3_port: int = 5000
+    storage_cpus: tuple[int, ...] | None = None
+    """CPUs the S3 server and the other tenants (:class:`~shoal.testing.cluster_load.BackgroundLoad`)
+    run on; None: any. In a real cluster they are other machines, so they never take the job's CPUs:
+    pinning them apart from ``job_cpus`` keeps the contention on the storage, where it belongs."""
+    job_cpus: tuple[int, ...] | None = None
+    """CPUs the job's ranks (:meth:`Cluster.run_ranks`) run on; None: any."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= 200:
@@ -89,6 +95,14 @@ class ClusterSpec:
         for name in ("host_storage_mbit", "fabric_mbit", "storage_mbit"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ClusterSpec.{name} must be > 0, got {getattr(self, name)!r}")
+        usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        for name in ("storage_cpus", "job_cpus"):
+            cpus = getattr(self, name)
+            if cpus is not None and (not cpus or not set(cpus) <= usable):
+                raise ValueError(
+                    f"ClusterSpec.{name} must be a non-empty set of this process's CPUs "
+                    f"{sorted(usable)}, got {cpus!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -285,7 +299,9 @@ class Cluster:
             f"ThreadedMotoServer(ip_address={S3_ADDR!r}, port={self.spec.s3_port}, verbose=False).start()\n"
             "while True: time.sleep(3600)\n"
         )
-        self._procs.append(self.popen_in(self.ns("st"), [self.python, "-c", code], env=FAKE_AWS))
+        server = self.popen_in(
+            self.ns("st"), [self.python, "-c", code], env=FAKE_AWS, cpus=self.spec.storage_cpus
+        )
         deadline = time.monotonic() + 30
         probe = (
             "import socket, sys\n"
@@ -301,7 +317,7 @@ class Cluster:
             )
             if ok.returncode == 0:
                 return
-            if time.monotonic() > deadline or self._procs[-1].poll() is not None:
+            if time.monotonic() > deadline or server.poll() is not None:
                 raise ClusterError(f"the S3 server at {self.s3_endpoint} did not answer within 30 s")
             time.sleep(0.2)
 
@@ -318,10 +334,20 @@ class Cluster:
         }
 
     def popen_in(
-        self, ns: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None, **kwargs: Any
+        self,
+        ns: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cpus: Sequence[int] | None = None,
+        **kwargs: Any,
     ) -> subprocess.Popen[bytes]:
-        """Start ``argv`` inside namespace ``ns`` (with ``env`` added to this process's environment)."""
+        """Start ``argv`` inside namespace ``ns`` (with ``env`` added to this process's environment).
+
+        ``cpus``: the CPUs it (and every process it starts) may run on; None: any."""
         full = {**os.environ, **(env or {})}
+        if cpus is not None:
+            kwargs["preexec_fn"] = _pin(cpus)
         proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=full, **kwargs)
         self._procs.append(proc)
         return proc
@@ -417,6 +443,7 @@ class Cluster:
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
+                        cpus=self.spec.job_cpus,
                     )
                     procs.append(launcher)
             timed_out = _wait_for_ranks(procs, out, world, timeout, grace_s)
@@ -433,6 +460,16 @@ class Cluster:
         if failures:
             raise RankFailed("\n".join(failures) + logs)
         return [results[r] for r in range(world)]
+
+
+def _pin(cpus: Sequence[int]) -> Callable[[], None]:
+    """A ``preexec_fn`` that pins the child (and what it execs and forks) to ``cpus``."""
+    chosen = set(cpus)
+
+    def pin() -> None:
+        os.sched_setaffinity(0, chosen)
+
+    return pin
 
 
 def _wait_for_ranks(

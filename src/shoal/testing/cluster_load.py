@@ -163,7 +163,14 @@ class BackgroundLoad:
             for k in range(count):
                 argv = [sys.executable, "-c", _TENANT, role, str(k), str(self.object_mib), str(self.pause)]
                 err = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop(), after the process
-                proc = self.cluster.popen_in(ns, argv, env=env, stdout=subprocess.DEVNULL, stderr=err)
+                proc = self.cluster.popen_in(
+                    ns,
+                    argv,
+                    env=env,
+                    cpus=self.cluster.spec.storage_cpus,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                )
                 self._procs.append((proc, err))
 
     def running(self) -> int:

@@ -176,7 +176,7 @@ def restore_state(
 
 
 def all_reduce_placement(rank: int, world: int) -> dict[str, Any]:
-    """Where this rank runs (host, the interface gloo binds) and the sum of all ranks over gloo."""
+    """Where this rank runs (host, the interface gloo binds, its CPUs) and the sum of all ranks over gloo."""
     total = torch.tensor([rank], dtype=torch.int64)
     dist.all_reduce(total)
     return {
@@ -185,6 +185,7 @@ def all_reduce_placement(rank: int, world: int) -> dict[str, Any]:
         "host": _env("SHOAL_HOST_ID"),
         "cluster_host": int(_env("SHOAL_CLUSTER_HOST")),
         "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "cpus": sorted(os.sched_getaffinity(0)),
         "sum": int(total.item()),
     }
 
