@@ -441,11 +441,16 @@ class KVStore:
         if self._shared is None or n == len(keys):
             return n
         shared = self._shared
-        window = 16
+
+        def anywhere(key: BlockKey) -> bool:
+            host = self._pool.exists(key.digest) or (
+                self._local is not None and self._local.exists(key.digest)
+            )
+            return host or shared.exists(key.digest)
+
+        window = 16  # shared lookups in parallel, a window at a time
         while n < len(keys):
-            chunk = keys[n : n + window]
-            found = list(self._reader_pool().map(lambda k: shared.exists(k.digest), chunk))
-            for there in found:
+            for there in self._reader_pool().map(anywhere, keys[n : n + window]):
                 if not there:
                     return n
                 n += 1
