@@ -93,6 +93,19 @@ def test_every_rank_wanting_every_block_reads_an_even_share() -> None:
     assert plan.fabric_receives() == 64 * 3
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_ranks_wanting_the_same_blocks_of_mixed_sizes_read_within_one_block_of_an_even_share(
+    world: int,
+) -> None:
+    rng = random.Random(world)
+    blocks = [Want(f"b{i:03d}", rng.choice([1, 2, 3, 5, 8]) << 16) for i in range(64)]
+    plan = plan_grouped_read([RankWants(f"h{r % 2}", tuple(blocks)) for r in range(world)])
+    ideal = sum(w.nbytes for w in blocks) / world
+    assert max(plan.slow_bytes()) <= ideal + max(w.nbytes for w in blocks)
+    assert min(plan.slow_bytes()) >= ideal - max(w.nbytes for w in blocks)
+    assert sum(plan.slow_bytes()) == sum(w.nbytes for w in blocks), "each block read once"
+
+
 def test_a_block_one_rank_wants_is_read_by_it_and_never_sent() -> None:
     plan = plan_grouped_read(_wants(["h0", "h0"], [["b1"], ["b2"]]))
     assert [(b.digest, b.reader, b.receivers) for b in plan.blocks] == [("b1", 0, ()), ("b2", 1, ())]

@@ -71,7 +71,7 @@ from shoal.kv._grouped_plan import (
     plan_grouped_deliveries,
     plan_grouped_read,
 )
-from shoal.kv._results import DRAM, BlockSizeError, GetResult
+from shoal.kv._results import DRAM, BlockSizeError, GetResult, MissReason
 from shoal.kv.keys import BlockKey
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,9 @@ class _Batch:
     sources: list[int | None]
 
 
+_REASONS: dict[str, MissReason] = {"absent": "absent", "deadline": "deadline", "corrupt": "corrupt"}
+
+
 def _rebuild_error(status: _Status, reader: int) -> ShoalError:
     """The reader's error, as the same ShoalError class where shoal.errors has it (else TierError)."""
     text = f"{status.error_text} (read by rank {reader} for a grouped read of block {status.digest})"
@@ -179,8 +182,7 @@ def _destination(buf: Any, what: str) -> memoryview | ConfigError:
 def _result_of(key: BlockKey, status: _Status, reader: int) -> GetResult:
     """A receiver's result for a block its reader did not hit: the same miss or error."""
     if status.status == "miss":
-        reason = status.reason if status.reason in ("absent", "deadline", "corrupt") else "absent"
-        return GetResult(key, "miss", reason=reason)  # type: ignore[arg-type]
+        return GetResult(key, "miss", reason=_REASONS.get(status.reason or "", "absent"))
     return GetResult(key, "error", error=_rebuild_error(status, reader))
 
 
