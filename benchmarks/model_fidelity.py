@@ -32,6 +32,7 @@ import json
 import os
 import secrets
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -215,6 +216,27 @@ def _persistence(preds: list[Any], ckpts: list[Any]) -> float:
     return mape([h[0].typical_seconds for h, _ in pairs if h], [c.typical_seconds for h, c in pairs if h])
 
 
+def _hindsight(preds: list[Any]) -> dict[str, float]:
+    """MAPE of an oracle no forecast can beat from a steady state: each job's median over its test part.
+
+    It knows, in hindsight, the median of the very checkpoints it is scored on (per job, so per
+    N and S). What it misses is the checkpoint-to-checkpoint variation around that level, which
+    only a forecast that sees each change coming could capture. Per regime, and ``"all"``."""
+    from shoal.model.evaluate import mape
+
+    by_job: dict[str, list[Any]] = {}
+    for p in preds:
+        by_job.setdefault(p.checkpoint.job, []).append(p.checkpoint)
+    level = {job: statistics.median(c.typical_seconds for c in cs) for job, cs in by_job.items()}
+    out: dict[str, float] = {}
+    groups = {"all": [p.checkpoint for p in preds]}
+    for p in preds:
+        groups.setdefault(p.checkpoint.regime, []).append(p.checkpoint)
+    for name, cs in groups.items():
+        out[name] = mape([level[c.job] for c in cs], [c.typical_seconds for c in cs])
+    return out
+
+
 def evaluate(
     data: Mapping[str, Any],
     fraction: float,
@@ -252,6 +274,7 @@ def evaluate(
         "target": target if target == "none" else f"calibrated by {target}, spread window {spread_window}",
         "window_mape": window_mape,
         "persistence_mape": _persistence(preds, ckpts),
+        "hindsight_mape": _hindsight(preds),
         "fit": fit,
         "raw_fit": raw,
         "fits": fits,
@@ -289,18 +312,29 @@ def _print_scores(result: Mapping[str, Any]) -> None:
     else:
         print(f"state from the job's last {result['window']} checkpoints")
     print()
-    print("| regime | test checkpoints | MAPE typical | MdAPE typical | p90 slowest coverage | pinball (s) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    rows = [*result["per_regime"].items(), ("**all**", result["overall"])]
-    for name, sc in rows:
+    print(
+        "| regime | test checkpoints | MAPE typical | MdAPE typical | p90 slowest coverage | pinball (s) "
+        "| hindsight floor |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    floor = result["hindsight_mape"]
+    rows = [
+        *((k, v, floor[k]) for k, v in result["per_regime"].items()),
+        ("**all**", result["overall"], floor["all"]),
+    ]
+    for name, sc, low in rows:
         print(
             f"| {name} | {sc['n']:.0f} | {sc['mape']:.1f}% | {sc['mdape']:.1f}% | "
-            f"{sc['coverage']:.1%} | {sc['pinball']:.4f} |"
+            f"{sc['coverage']:.1%} | {sc['pinball']:.4f} | {low:.1f}% |"
         )
     print()
     print(
         f"for context, the naive forecast 'the job's previous checkpoint's median writer' has MAPE "
         f"{result['persistence_mape']:.1f}% on the same test checkpoints (it cannot predict another N or S)"
+    )
+    print(
+        "hindsight floor: the MAPE of each job's own median over its test checkpoints (an oracle "
+        "constant); a forecast from a steady state of the tier cannot do better"
     )
     print()
 
