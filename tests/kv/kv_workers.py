@@ -60,11 +60,12 @@ def flip_byte(path: str | Path, offset: int) -> None:
 
 
 def put_and_get_worker(
-    config: KVConfig, worker: int, n_own: int, n_common: int, n_workers: int, barrier: Barrier
-) -> dict[str, Any]:
+    config: KVConfig, worker: int, n_own: int, n_common: int, n_workers: int, barrier: Barrier, results: Any
+) -> None:
     """Put this worker's blocks and the common ones, wait for all, then read everyone's back.
 
-    Returns counts: hits, bit-exact hits, misses, errors, and the largest pool usage seen.
+    Puts on ``results`` (a queue) its counts: hits, bit-exact hits, misses, errors, and the
+    largest pool usage seen.
     """
     own = keys(n_own, seq=100 + worker)
     common = keys(n_common, seq=1)
@@ -90,7 +91,7 @@ def put_and_get_worker(
             _count(out, r.status, bufs[i] == payload(i))
         out["max_used"] = max(out["max_used"], store.stats().tiers["dram"].bytes_used or 0)
         store.flush(60)
-    return out
+    results.put(out)
 
 
 def _count(out: dict[str, Any], status: str, exact: bool) -> None:
