@@ -18,7 +18,9 @@ String keys map to ``BlockKey(namespace, tp_rank, blake3(key))`` with the facade
 rank, so the same string names the same block in every process of the host. Buffers are
 anything with the buffer protocol, or (as in Mooncake) an integer address of ``size`` bytes that
 the caller keeps alive; a buffer may be larger than the block (Mooncake's ``size >= object
-size``), the bytes read are returned. Codes are shoal's: :data:`NOT_FOUND` (a miss, including a
+size``), the bytes read are returned. A key's value is immutable, as KV blocks are: a second
+``put`` of a key that is stored is a success that changes nothing (``remove`` it first to
+replace it), where Mooncake would overwrite. Codes are shoal's: :data:`NOT_FOUND` (a miss, including a
 deadline expiry), :data:`INVALID_PARAMS`, :data:`BUFFER_TOO_SMALL`, :data:`INTERNAL_ERROR`.
 """
 
@@ -111,12 +113,15 @@ class MooncakeStore:
         block_keys, views = [], []
         for i, (name, buf) in enumerate(zip(keys, buffers, strict=True)):
             try:
-                block_keys.append(self.key(name))
-                views.append(_view(buf, sizes[i] if sizes is not None else None, writable=False, what=name))
-                todo.append(i)
+                block_key = self.key(name)
+                view = _view(buf, sizes[i] if sizes is not None else None, writable=False, what=name)
             except ConfigError as e:
                 log.warning("MooncakeStore: put of %r refused: %s", name, e)
                 codes[i] = INVALID_PARAMS
+                continue
+            block_keys.append(block_key)
+            views.append(view)
+            todo.append(i)
         for i, result in zip(todo, self.store.put_batch(block_keys, views), strict=True):
             if result.error is not None:
                 codes[i] = INTERNAL_ERROR
