@@ -3,6 +3,9 @@ buffer types and sizes, events and statistics."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +177,18 @@ def test_config_is_validated_naming_the_field() -> None:
         KVConfig("/dev/shm/x", 1, high_water=1.5)
     with pytest.raises(ConfigError, match="eviction"):
         KVConfig("/dev/shm/x", 1, eviction="fifo")
+
+
+def test_the_kv_docs_examples_run_as_written() -> None:
+    doc = Path(__file__).resolve().parents[2] / "docs" / "kv.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        proc = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (
+        "reusable prefix: 5 blocks"
+        in subprocess.run(
+            [sys.executable, "-c", blocks[0]], capture_output=True, text=True, timeout=120
+        ).stdout
+    )

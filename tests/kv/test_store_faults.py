@@ -158,3 +158,20 @@ def test_a_deadline_already_past_reads_nothing(shm_path: Path) -> None:
         store.put_batch(keys(2), [payload(0), payload(1)])
         results = store.get_batch_into(keys(2), [bytearray(BLOCK)] * 2, deadline=time.monotonic() - 1)
         assert [(r.status, r.reason) for r in results] == [("miss", "deadline")] * 2
+
+
+def test_a_live_store_takes_over_a_block_whose_writer_was_killed(shm_path: Path) -> None:
+    cfg = KVConfig(str(shm_path / "pool"), 8 * PHYS)
+    key = keys(1)[0]
+    with KVStore(cfg) as store:  # joined before the writer dies: no sweep at open to rely on
+        proc = SPAWN.Process(target=kv_workers.killed_mid_put_worker, args=(cfg, 0))
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == -9
+        assert store.get_batch_into([key], [bytearray(BLOCK)])[0].reason == "absent"
+        r = store.put_batch([key], [payload(0)])[0]
+        assert (r.stored, r.tier, r.error) == (True, "dram", None)
+        assert [p.name for p in pool_files(shm_path / "pool")] == [key.digest]  # its temp file swept
+        assert store.stats().tiers["dram"].bytes_used == PHYS
+        buf = bytearray(BLOCK)
+        assert store.get_batch_into([key], [buf])[0].hit and buf == payload(0)

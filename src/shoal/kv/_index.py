@@ -80,7 +80,8 @@ class Reservation:
     digest: str
     outcome: str
     """``reserved`` (write the file, then :meth:`BlockIndex.mark_ready`), ``present`` (stored or being
-    stored already), ``full`` (no room even after eviction)."""
+    stored already), ``full`` (no room even after eviction), ``stale`` (a dead process was writing
+    it: sweep the pool, then reserve again)."""
     needed: int = 0
     free: int = 0
 
@@ -167,7 +168,9 @@ class BlockIndex:
             for digest, size, phys in items:
                 row = c.execute("SELECT state, owner FROM blocks WHERE digest = ?", (digest,)).fetchone()
                 if row is not None:
-                    out.append(Reservation(digest, "present"))
+                    state, owner = row
+                    dead_writer = state == WRITING and owner != self.pid and not pid_alive(int(owner))
+                    out.append(Reservation(digest, "stale" if dead_writer else "present"))
                     continue
                 if used + phys <= self.capacity:
                     c.execute(

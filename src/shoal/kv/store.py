@@ -19,7 +19,9 @@ reports per key instead of raising on a miss:
   background.
 * The pool is shared by every process of this user on the host (:mod:`shoal.kv.pool`), so a
   block any of them put is served from memory to all; its capacity is counted in physical bytes
-  and never exceeded. Above ``high_water`` a background thread evicts down to it, writing back.
+  and never exceeded. Above ``high_water`` a background thread evicts down to it, writing back to
+  the next tier, so that a put rarely waits for a write-back; where there is nothing to write back
+  to (no lower tier, or ``writeback=False``) blocks are dropped only when a put needs the room.
 
 Events (``stored``, ``evicted``, ``written_back``, ``corrupt``, ``removed``) go to the listeners
 of the store that saw them, on the thread that saw them (the caller's or the write-back thread).
@@ -159,8 +161,11 @@ class KVStore:
                 stored, tier, error = outcomes[key.digest]
                 results[i] = PutResult(key, stored and key.digest not in seen, tier, error)
                 seen.add(key.digest)
-        if self._pool.index.last_used > self._writeback.high_water_bytes:
-            self._writeback.kick()
+        if (
+            self._writeback.next_tier is not None
+            and self._pool.index.last_used > self._writeback.high_water_bytes
+        ):
+            self._writeback.kick()  # only where evicting means a write-back: a drop is instant at put time
         return [r for r in results if r is not None]
 
     def _put_dram(
@@ -175,10 +180,13 @@ class KVStore:
             reservations, victims = self._pool.index.reserve(reqs, self.config.writeback)
             written: list[tuple[str, str | None]] = []
             full: list[str] = []
+            stale: list[str] = []
             for r in reservations:
                 view, lower = items[r.digest]
                 if r.outcome == "present":
                     out[r.digest] = (False, DRAM, None)
+                elif r.outcome == "stale":
+                    stale.append(r.digest)
                 elif r.outcome == "full":
                     full.append(r.digest)
                     last[r.digest] = (r.needed, r.free)
@@ -191,10 +199,12 @@ class KVStore:
                 self._emit("stored", digest, DRAM, items[digest][0].nbytes)
             if victims:
                 self._writeback.evict(victims)
-            pending = full
+            pending = full + stale
             if not pending:
                 break
-            if not victims:  # nothing evictable now: dead processes' rows, or others' write-backs
+            if stale:  # a dead process's half-written copy: sweep it (files first), then again
+                self._pool.sweep()
+            elif not victims:  # nothing evictable now: dead processes' rows, or others' write-backs
                 if attempt == 0:
                     self._pool.sweep()
                 elif self._pool.index.evicting_count() == 0 or attempt >= 4:
@@ -202,7 +212,7 @@ class KVStore:
                 else:
                     time.sleep(0.02 * attempt)
         for digest in pending:
-            out[digest] = self._overflow(digest, items[digest], *last[digest])
+            out[digest] = self._overflow(digest, items[digest], *last.get(digest, (0, 0)))
         return out
 
     def _write_pool_file(self, digest: str, view: memoryview) -> tuple[bool, str | None, ShoalError | None]:
@@ -385,7 +395,7 @@ class KVStore:
         try:
             if tier == DRAM:
                 self._pool.unlink(digest)
-                self._pool.index.release([digest], states=(WRITING, READY, EVICTING))
+                self._pool.index.release([digest], states=(READY, EVICTING))
             elif tier == LOCAL and self._local is not None:
                 self._local.delete(digest)
             elif tier == SHARED and self._shared is not None:
@@ -463,7 +473,7 @@ class KVStore:
         for key in keys:
             was = self._pool.exists(key.digest)
             self._pool.unlink(key.digest)
-            self._pool.index.release([key.digest], states=(WRITING, READY, EVICTING))
+            self._pool.index.release([key.digest], states=(READY, EVICTING))  # a writer frees its own
             for tier in self._lower:
                 was = tier.delete(key.digest) or was
             if was:
