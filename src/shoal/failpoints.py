@@ -21,6 +21,15 @@ Points, in the order a checkpoint meets them (``rank`` is the global rank):
 ``pipeline.before_commit``                coordinator: B3 reached, before ``COMMIT``
 ``pipeline.before_latest``                coordinator: ``COMMIT`` written, before ``LATEST``
 ========================================  =====================================================
+
+The KV-cache block store's points (:mod:`shoal.kv`):
+
+========================================  =====================================================
+``kv.pool.before_rename``                 a pool block's temporary file is written, not renamed
+``kv.local.read``                         before a block is read from the local tier
+``kv.shared.read``                        before a block is read from the shared tier
+``kv.shared.write``                       before a block is written to the shared tier
+========================================  =====================================================
 """
 
 from __future__ import annotations

@@ -2,13 +2,15 @@
 
 Blocks keyed by :class:`BlockKey` (namespace, tensor-parallel rank, chained prefix hash) live in a
 host DRAM pool shared by the host's processes, then on local disk, then on shared storage;
-:class:`KVStore` is the batch-first API, :class:`~shoal.kv.mooncake.MooncakeStore` a facade with
-Mooncake Store's method names.
+:class:`KVStore` is the batch-first API, :class:`GroupedReader` its collective read across the ranks
+of one serving instance, :class:`MooncakeStore` a facade with Mooncake Store's method names.
 """
 
 from __future__ import annotations
 
+from shoal.kv.grouped import GroupedReader, GroupedStats
 from shoal.kv.keys import BlockKey, chain_keys, namespace_for
+from shoal.kv.mooncake import MooncakeStore
 from shoal.kv.store import (
     DRAM,
     LOCAL,
@@ -31,11 +33,14 @@ __all__ = [
     "BlockKey",
     "BlockSizeError",
     "GetResult",
+    "GroupedReader",
+    "GroupedStats",
     "KVConfig",
     "KVEvent",
     "KVStats",
     "KVStore",
     "Lease",
+    "MooncakeStore",
     "PutResult",
     "TierStats",
     "chain_keys",
