@@ -7,6 +7,7 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,7 +30,7 @@ def _write(path: Path, rows: list[object]) -> str:
     return str(path)
 
 
-def _req(ts: int, ids: list[int], tokens: int | None = None) -> dict[str, object]:
+def _req(ts: int, ids: list[Any], tokens: int | None = None) -> dict[str, object]:
     return {"timestamp": ts, "input_length": tokens or 512 * len(ids), "output_length": 7, "hash_ids": ids}
 
 
@@ -134,7 +135,7 @@ def _reference_lru(chains: list[list[int]], capacity: int, backed: bool) -> tupl
 def _random_chains(seed: int, conversations: int = 12, requests: int = 80) -> list[list[int]]:
     rng = random.Random(seed)
     convs: list[list[int]] = [[] for _ in range(conversations)]
-    reqs = []
+    reqs: list[TraceRequest] = []
     next_id = 0
     for _ in range(requests):
         conv = convs[rng.randrange(conversations)]

@@ -1,0 +1,310 @@
+"""KV-cache trace replay: recompute-only, a per-key storage fallback and shoal's tiered store, in one run.
+
+The Mooncake conversation trace (``benchmarks/data/mooncake/``; any trace of that format with
+``--trace``), its first ``--minutes``, replayed ``--speedup`` times faster than its clock by
+``--instances`` serving instances (one process each, requests round-robin), with each policy in
+turn (:mod:`shoal.testing.kv_serving`). Reported per policy and storage: mean / p50 / p90 / p99
+time to first token (TTFT, on the trace's clock), its parts (queue, fetch, prefill), the hit ratio
+per tier, the blocks recomputed and the bytes read per tier; for shoal, its DRAM hit ratio next
+to the exact LRU simulation of the same trace and capacity (:func:`shoal.testing.kv_trace.simulate_lru`).
+
+Every assumption and its source is in docs/kv_replay.md. Storage ``local``: the storage is a
+directory on this machine's disk (shoal: DRAM pool + local-disk tier; the fallback: its LRU +
+the directory, one file per block). Storage ``cluster`` (needs root): the instances run in a
+host namespace of the emulated cluster (:mod:`shoal.testing.cluster`), the storage is its S3,
+loaded by another tenant (:class:`~shoal.testing.cluster_load.BackgroundLoad`); shoal has DRAM,
+a bounded local tier (``--local-blocks``) and the S3. Usage::
+
+    python benchmarks/kv_replay.py --minutes 2 --storage local            # a smoke run, no root
+    sudo python benchmarks/kv_replay.py --storage local,cluster --out /tmp/kv.json \
+        --plot docs/img/kv_replay.png
+    python benchmarks/kv_replay.py --from /tmp/kv.json                    # report saved results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from typing import Any
+
+from shoal.testing.kv_serving import POLICIES, QWEN25_14B, ServingConfig, replay_instance, summarize
+from shoal.testing.kv_trace import TraceError, load_trace, prefix_chains, simulate_lru, trace_summary, window
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRACE = os.path.join(HERE, "data", "mooncake", "conversation_trace.jsonl")
+MIB = 1 << 20
+
+QWEN25_14B_PARAMS = 14.7e9
+"""Qwen2.5-14B's parameters (its model card: 14.7 B)."""
+ACCEL_FLOPS = 989e12
+"""Dense bf16 tensor throughput of one H100/H800 SXM (NVIDIA's datasheet: 989 TFLOPS without sparsity)."""
+MFU = 0.40
+"""Model FLOPs utilisation of a prefill (a long-prompt prefill is compute bound; 40% is typical)."""
+PER_TOKEN_S = 2 * QWEN25_14B_PARAMS / (ACCEL_FLOPS * MFU)
+"""Prefill seconds per token on one accelerator: 2 x params FLOPs / (throughput x MFU) = 74.3 us."""
+
+
+def _configs(args: argparse.Namespace, storage: str, root: str) -> list[ServingConfig]:
+    """One ServingConfig per policy for ``storage``, each with its own fresh roots."""
+    layout = replace(QWEN25_14B, tp=args.tp)
+    block = args.block_bytes or max(64, layout.block_bytes // args.scale)
+    out = []
+    for policy in args.policies.split(","):
+        run = f"{policy}-{secrets.token_hex(3)}"
+        cfg = ServingConfig(
+            policy=policy,
+            trace=os.path.abspath(args.trace),
+            minutes=args.minutes,
+            speedup=args.speedup,
+            per_token_s=args.per_token_ms / 1000.0,
+            block_bytes=block,
+            dram_blocks=args.dram_blocks,
+            namespace=layout.namespace,
+            dram_root=os.path.join(args.dram_dir, f"shoal-kvreplay-{os.getpid()}", run),
+            high_water=args.high_water,
+        )
+        if storage == "local":
+            if policy == "shoal":
+                cfg = replace(cfg, local_root=os.path.join(root, run, "local"))
+            elif policy == "perkey":
+                cfg = replace(cfg, shared_url=os.path.join(root, run, "storage"))
+        else:
+            url = f"s3://kvreplay/{run}"
+            if policy == "shoal":
+                cfg = replace(
+                    cfg, local_root=os.path.join(root, run, "local"), local_blocks=args.local_blocks,
+                    shared_url=url, s3=True,
+                )  # fmt: skip
+            elif policy == "perkey":
+                cfg = replace(cfg, shared_url=url, s3=True)
+        out.append(cfg)
+    return out
+
+
+def _timeout(args: argparse.Namespace) -> float:
+    return args.minutes * 60.0 / args.speedup * 3 + 300.0
+
+
+def _run_local(args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
+    from shoal.testing.multiproc import run_ranks
+
+    results = []
+    for cfg in _configs(args, "local", root):
+        t = time.monotonic()
+        ranks = run_ranks(
+            replay_instance,
+            hosts=["h0"] * args.instances,
+            kwargs={"config": asdict(cfg)},
+            timeout=_timeout(args),
+        )
+        results.append({"config": asdict(cfg), "ranks": ranks, "wall_s": time.monotonic() - t})
+        print(f"  local: {cfg.policy} done in {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)
+        _clean(cfg)
+    return results
+
+
+def _run_cluster(args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
+    from shoal.testing.cluster import Cluster, ClusterSpec, cannot_run
+    from shoal.testing.cluster_load import BackgroundLoad
+
+    why = cannot_run()
+    if why:
+        raise SystemExit(f"cannot run the emulated cluster: {why}")
+    spec = ClusterSpec(
+        hosts=2, host_storage_mbit=args.host_storage_mbit, fabric_mbit=400.0, storage_mbit=args.storage_mbit
+    )
+    results = []
+    with Cluster(spec) as cluster:
+        for cfg in _configs(args, "cluster", root):
+            t = time.monotonic()
+            load = BackgroundLoad(
+                cluster, 1, writers=args.tenant_writers, readers=args.tenant_readers, object_mib=8.0,
+                pause=args.tenant_pause,
+            )  # fmt: skip
+            with load:
+                ranks = cluster.run_ranks(
+                    "shoal.testing.kv_serving:replay_instance", args.instances, {"config": asdict(cfg)},
+                    timeout=_timeout(args), hosts=1,
+                )  # fmt: skip
+            results.append({"config": asdict(cfg), "ranks": ranks, "wall_s": time.monotonic() - t})
+            print(
+                f"  cluster: {cfg.policy} done in {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True
+            )
+            _clean(cfg)
+    return results
+
+
+def _clean(cfg: ServingConfig) -> None:
+    shutil.rmtree(cfg.dram_root, ignore_errors=True)
+    if cfg.local_root:
+        shutil.rmtree(os.path.dirname(cfg.local_root), ignore_errors=True)
+    if cfg.shared_url and not cfg.s3:
+        shutil.rmtree(os.path.dirname(cfg.shared_url), ignore_errors=True)
+
+
+def report(saved: dict[str, Any]) -> dict[str, Any]:
+    """Summaries per storage and policy, shoal's gains and the LRU check, from saved raw results."""
+    args = saved["args"]
+    full_block = replace(QWEN25_14B, tp=args["tp"]).block_bytes
+    out: dict[str, Any] = {"storages": {}}
+    for storage, runs in saved["results"].items():
+        first = ServingConfig(**runs[0]["config"])
+        reqs = window(load_trace(first.trace), first.minutes)
+        chains = prefix_chains(reqs)
+        rows = {}
+        for run in runs:
+            cfg = ServingConfig(**run["config"])
+            row = summarize(run["ranks"], cfg, full_block)
+            if cfg.policy == "shoal":
+                sim = simulate_lru(chains, cfg.dram_blocks, backed=True)
+                row["lru_dram_hit_ratio"] = sim.dram_hit_ratio
+                row["lru_prefix_hit_ratio"] = sim.prefix_hit_ratio
+            row["wall_s"] = run["wall_s"]
+            rows[cfg.policy] = row
+        gains = {}
+        if "shoal" in rows:
+            for other in ("perkey", "recompute"):
+                if other in rows:
+                    gains[other] = 1.0 - rows["shoal"]["ttft"]["mean"] / rows[other]["ttft"]["mean"]
+        out["storages"][storage] = {
+            "trace": trace_summary(reqs),
+            "window": {"minutes": first.minutes, "speedup": first.speedup},
+            "rows": rows,
+            "shoal_lower_mean_ttft_than": gains,
+        }
+    return out
+
+
+def _print(rep: dict[str, Any]) -> None:
+    for storage, s in rep["storages"].items():
+        t, w = s["trace"], s["window"]
+        print(
+            f"\n### storage: {storage}: the first {w['minutes']:g} minutes, {w['speedup']:g} times faster\n"
+        )
+        print(
+            f"trace window: {t['requests']} requests, {t['blocks']} blocks ({t['distinct_blocks']} distinct, "
+            f"at most {t['reusable_ratio']:.1%} reusable), {t['input_tokens']} input tokens "
+            f"over {t['span_s']:.0f} s\n"
+        )
+        cols = ["policy", "TTFT mean", "p50", "p90", "p99", "queue", "fetch", "prefill", "hit: dram", "local"]
+        cols += ["storage", "recomputed", "read GiB (full scale): dram", "local", "storage", "LRU sim dram"]
+        print("| " + " | ".join(cols) + " |")
+        print("|---|" + "---:|" * 15)
+        for policy, r in s["rows"].items():
+            h, b = r["hit_ratio"], r["bytes_read_full_scale"]
+            gib = {k: v / (1 << 30) for k, v in b.items()}
+            lru = f"{r['lru_dram_hit_ratio']:.1%}" if "lru_dram_hit_ratio" in r else ""
+            print(
+                f"| {policy} | {r['ttft']['mean']:.3f} | {r['ttft']['p50']:.3f} | {r['ttft']['p90']:.3f} | "
+                f"{r['ttft']['p99']:.3f} | {r['parts']['queue']:.3f} | {r['parts']['fetch']:.3f} | "
+                f"{r['parts']['prefill']:.3f} | {h.get('dram', 0):.1%} | {h.get('local', 0):.1%} | "
+                f"{h.get('shared', 0):.1%} | {r['recomputed_ratio']:.1%} | {gib.get('dram', 0):.0f} | "
+                f"{gib.get('local', 0):.0f} | {gib.get('shared', 0):.0f} | {lru} |"
+            )
+        for other, g in s["shoal_lower_mean_ttft_than"].items():
+            print(f"\nshoal's mean TTFT is {g:.1%} lower than {other}'s")
+
+
+def _plot(rep: dict[str, Any], path: str, saved: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    storages = list(saved["results"])
+    fig, axes = plt.subplots(1, len(storages), figsize=(5.5 * len(storages), 4), squeeze=False)
+    for ax, storage in zip(axes[0], storages, strict=True):
+        for run in saved["results"][storage]:
+            cfg = ServingConfig(**run["config"])
+            xs = sorted(r["ttft"] * cfg.speedup for rank in run["ranks"] for r in rank["records"])
+            mean = rep["storages"][storage]["rows"][cfg.policy]["ttft"]["mean"]
+            ax.plot(
+                xs, [(i + 1) / len(xs) for i in range(len(xs))], label=f"{cfg.policy} (mean {mean:.2f} s)"
+            )
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first token (s, trace clock)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"storage: {storage}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"plot: {path}", file=sys.stderr)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=TRACE, help="a trace in the Mooncake JSON-lines format")
+    ap.add_argument("--minutes", type=float, default=30.0, help="replay the trace's first minutes")
+    ap.add_argument("--speedup", type=float, default=10.0, help="the trace's clock runs this much faster")
+    ap.add_argument(
+        "--per-token-ms", type=float, default=PER_TOKEN_S * 1000, help="prefill ms per uncached token"
+    )
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per instance (bytes per rank)")
+    ap.add_argument("--scale", type=int, default=1536, help="block bytes here = the layout's / this")
+    ap.add_argument("--block-bytes", type=int, default=0, help="override the scaled block size (bytes)")
+    ap.add_argument("--dram-blocks", type=int, default=8192, help="the host's DRAM pool, in blocks")
+    ap.add_argument(
+        "--local-blocks", type=int, default=16384, help="shoal's local tier on the cluster, in blocks"
+    )
+    ap.add_argument("--instances", type=int, default=8, help="serving instances (processes) on the host")
+    ap.add_argument("--high-water", type=float, default=1.0, help="shoal's KVConfig.high_water")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--storage", default="local", help="local, cluster, or local,cluster")
+    ap.add_argument("--dram-dir", default="/dev/shm")
+    ap.add_argument("--host-storage-mbit", type=float, default=200.0)
+    ap.add_argument("--storage-mbit", type=float, default=300.0)
+    ap.add_argument("--tenant-writers", type=int, default=1)
+    ap.add_argument("--tenant-readers", type=int, default=1)
+    ap.add_argument("--tenant-pause", type=float, default=0.5)
+    ap.add_argument("--out", default=None, help="write the raw results here (JSON)")
+    ap.add_argument("--from", dest="source", default=None, help="report results saved with --out")
+    ap.add_argument("--plot", default=None, help="draw the TTFT distributions to this PNG")
+    args = ap.parse_args(argv)
+    for p in args.policies.split(","):
+        if p not in POLICIES:
+            ap.error(f"--policies: unknown policy {p!r}; choose from {','.join(POLICIES)}")
+    for s in args.storage.split(","):
+        if s not in ("local", "cluster"):
+            ap.error(f"--storage: unknown storage {s!r}; choose local, cluster or local,cluster")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.source:
+        with open(args.source, encoding="utf-8") as f:
+            saved = json.load(f)
+    else:
+        try:
+            window(load_trace(args.trace), args.minutes)  # a bad trace fails here, naming the line
+        except TraceError as e:
+            print(f"kv_replay: {e}", file=sys.stderr)
+            return 2
+        root = tempfile.mkdtemp(prefix="shoal-kvreplay-")
+        saved = {"args": vars(args), "results": {}}
+        try:
+            for storage in args.storage.split(","):
+                run = _run_local if storage == "local" else _run_cluster
+                saved["results"][storage] = run(args, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(os.path.join(args.dram_dir, f"shoal-kvreplay-{os.getpid()}"), ignore_errors=True)
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(saved, f)
+    rep = report(saved)
+    _print(rep)
+    if args.plot:
+        _plot(rep, args.plot, saved)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""The serving simulator of the KV-cache trace replay (``benchmarks/kv_replay.py``, docs/kv_replay.md).
+
+One serving instance per process; requests of a trace (:mod:`shoal.testing.kv_trace`) go to the
+instances round-robin and arrive on the trace's clock divided by ``speedup``. Each instance runs
+its prefills one at a time, in arrival order. For one request (:func:`serve_request`):
+
+1. **fetch**: the policy looks up the longest stored prefix of the request's chained block keys
+   (:func:`shoal.kv.keys.chain_keys` over ``hash_ids``) and reads those blocks, real I/O, timed;
+2. **prefill**: the rest costs ``uncached_tokens x per_token_s``, simulated by a sleep of that
+   divided by ``speedup``;
+3. the first token is out: TTFT = queue wait + fetch + prefill;
+4. **store**: the request's new blocks are put. In a real engine that overlaps the next
+   request's prefill, so it runs on the instance's writer thread, off the TTFT path; but it is in
+   the instance's time line: at most :data:`MAX_PUTS_IN_FLIGHT` requests' blocks wait to be
+   stored (they hold accelerator memory until then), beyond that the instance waits.
+
+The three policies (:class:`Recompute`, :class:`PerKeyFallback`, :class:`ShoalPolicy`) implement
+:class:`Policy`. :func:`replay_instance` is the scenario one rank runs (under
+:func:`shoal.testing.multiproc.run_ranks` on one machine, or
+:meth:`shoal.testing.cluster.Cluster.run_ranks` in a host namespace of the emulated cluster);
+it returns per-request records as JSON, which :func:`summarize` turns into the report.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import statistics
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from shoal.errors import ConfigError, MissingFile, ShoalError
+from shoal.kv import DRAM, SHARED, BlockKey, KVConfig, KVStore, chain_keys, namespace_for
+from shoal.kv.pool import physical_bytes
+from shoal.testing.kv_trace import TraceRequest, account, load_trace, window
+from shoal.tiers import Tier, open_tier
+
+__all__ = [
+    "MAX_PUTS_IN_FLIGHT",
+    "POLICIES",
+    "ModelLayout",
+    "PerKeyFallback",
+    "Policy",
+    "QWEN25_14B",
+    "Recompute",
+    "ServingConfig",
+    "ShoalPolicy",
+    "make_policy",
+    "replay_instance",
+    "serve_requests",
+    "summarize",
+]
+
+POLICIES = ("recompute", "perkey", "shoal")
+MAX_PUTS_IN_FLIGHT = 4
+"""Requests whose new blocks may wait for the writer thread before the instance itself waits."""
+_CHECK = 32
+"""The first bytes of a block are its key's prefix hash: a fetched block is checked to be the right one."""
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """A model's KV layout: the bytes of one block on one tensor-parallel rank."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    block_tokens: int = 512
+    tp: int = 1
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of every layer, all KV heads (one token, the whole instance)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """One block on one rank (the heads are split over ``tp`` ranks)."""
+        return self.bytes_per_token * self.block_tokens // self.tp
+
+    @property
+    def namespace(self) -> str:
+        layout = (
+            f"bf{8 * self.dtype_bytes}-L{self.layers}-H{self.kv_heads}-D{self.head_dim}-B{self.block_tokens}"
+        )
+        return namespace_for(self.name, f"{layout}-TP{self.tp}")
+
+
+QWEN25_14B = ModelLayout("qwen2.5-14b", layers=48, kv_heads=8, head_dim=128, dtype_bytes=2)
+"""Qwen2.5-14B (config.json: 48 layers, 8 KV heads, head dim 128), bf16: 196,608 B/token, 96 MiB/block."""
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """What one replay of one policy needs (JSON-able: it travels to every rank)."""
+
+    policy: str
+    trace: str
+    minutes: float
+    speedup: float
+    per_token_s: float
+    block_bytes: int
+    """Bytes of one block as stored here (the layout's, divided by the byte scale factor)."""
+    dram_blocks: int
+    namespace: str
+    dram_root: str
+    local_root: str | None = None
+    local_blocks: int | None = None
+    shared_url: str | None = None
+    s3: bool = False
+    """The shared tier is the emulated cluster's S3 (its endpoint from ``SHOAL_S3_ENDPOINT``)."""
+    high_water: float = 1.0
+    overlap_puts: bool = True
+    start_delay_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"ServingConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("speedup", "per_token_s", "minutes"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"ServingConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.block_bytes < _CHECK or self.dram_blocks < 0:
+            raise ConfigError(
+                f"ServingConfig: block_bytes must be >= {_CHECK} and dram_blocks >= 0, "
+                f"got {self.block_bytes} and {self.dram_blocks}"
+            )
+
+
+class Policy(Protocol):
+    """How an instance finds and keeps KV blocks. Called by one instance's threads only."""
+
+    def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
+        """Read the longest stored prefix of ``keys``; the tier each of its blocks came from."""
+        ...
+
+    def store(self, keys: Sequence[BlockKey]) -> None:
+        """Keep the request's new blocks (called on the writer thread)."""
+        ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def block_bytes_for(key: BlockKey, base: bytes) -> bytes:
+    """The block's stand-in bytes: its prefix hash, then a fixed pattern (the KV tensors' place)."""
+    return key.prefix_hash + base[_CHECK:]
+
+
+def _right_block(key: BlockKey, data: bytes | bytearray | memoryview) -> bool:
+    return bytes(data[:_CHECK]) == key.prefix_hash
+
+
+class Recompute:
+    """Never fetches, never stores: every prefill computes the whole prompt."""
+
+    def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
+        return []
+
+    def store(self, keys: Sequence[BlockKey]) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        return None
+
+
+class PerKeyFallback:
+    """A plain storage fallback: a private in-process LRU of ``dram_blocks`` blocks, then one read
+    per block on the shared storage through :class:`shoal.tiers.Tier`, in order, until the first
+    miss; every new block is written through to the storage, one by one. No batching, no local tier."""
+
+    def __init__(self, tier: Tier, dram_blocks: int, block_bytes: int, base: bytes) -> None:
+        self.tier = tier
+        self.base = base
+        self.capacity = dram_blocks
+        self.block_bytes = block_bytes
+        self._lru: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self.counts = {"reads": 0, "writes": 0, "misses": 0, "wrong": 0, "errors": 0, "write_errors": 0}
+
+    def _keep(self, digest: str, data: bytes) -> None:
+        if self.capacity == 0:
+            return
+        with self._lock:
+            self._lru[digest] = data
+            self._lru.move_to_end(digest)
+            while len(self._lru) > self.capacity:
+                self._lru.popitem(last=False)
+
+    def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
+        tiers: list[str] = []
+        for key in keys:
+            with self._lock:
+                cached = self._lru.get(key.digest)
+                if cached is not None:
+                    self._lru.move_to_end(key.digest)
+            if cached is not None:
+                tiers.append(DRAM)
+                continue
+            try:
+                data = self.tier.read(key.digest)
+            except MissingFile:
+                self.counts["misses"] += 1
+                break
+            except (ShoalError, OSError):  # the storage failed this read: recompute from here
+                self.counts["errors"] += 1
+                break
+            self.counts["reads"] += 1
+            if len(data) != self.block_bytes or not _right_block(key, data):
+                self.counts["wrong"] += 1
+                break
+            self._keep(key.digest, data)
+            tiers.append(SHARED)
+        return tiers
+
+    def store(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            data = block_bytes_for(key, self.base)
+            self._keep(key.digest, data)
+            try:
+                self.tier.write(key.digest, data)
+            except (ShoalError, OSError):  # not stored: a later request recomputes it
+                self.counts["write_errors"] += 1
+                continue
+            self.counts["writes"] += 1
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.counts)
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+class ShoalPolicy:
+    """shoal's store: the host's DRAM pool (shared by the host's instances), local disk, shared
+    storage; the prefix found by one ``lookup_prefix``, read by one ``get_batch_into``, stored by
+    one ``put_batch`` per request."""
+
+    def __init__(self, store: KVStore, block_bytes: int, base: bytes) -> None:
+        self.store_ = store
+        self.base = base
+        self.block_bytes = block_bytes
+        self._buffers: list[bytearray] = []
+        self.counts = {"wrong": 0, "errors": 0, "put_errors": 0}
+
+    def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
+        k = self.store_.lookup_prefix(keys)
+        while len(self._buffers) < k:
+            self._buffers.append(bytearray(self.block_bytes))
+        results = self.store_.get_batch_into(keys[:k], self._buffers[:k])
+        tiers: list[str] = []
+        for key, result, buf in zip(keys[:k], results, self._buffers, strict=False):
+            if result.status != "hit" or result.tier is None:
+                self.counts["errors"] += result.status == "error"
+                break
+            if not _right_block(key, buf):
+                self.counts["wrong"] += 1
+                break
+            tiers.append(result.tier)
+        return tiers
+
+    def store(self, keys: Sequence[BlockKey]) -> None:
+        blocks = [block_bytes_for(key, self.base) for key in keys]
+        for r in self.store_.put_batch(keys, blocks):
+            self.counts["put_errors"] += r.error is not None
+
+    def stats(self) -> dict[str, Any]:
+        s = self.store_.stats()
+        return {**self.counts, "tiers": {name: asdict(t) for name, t in s.tiers.items()}}
+
+    def close(self) -> None:
+        self.store_.close()
+
+
+def make_policy(cfg: ServingConfig, instances: int) -> Policy:
+    """The policy of ``cfg`` for one instance of ``instances`` on this host.
+
+    The per-key fallback's private LRU gets ``dram_blocks // instances`` blocks, so that the
+    host's instances use the same DRAM in all as shoal's one shared pool of ``dram_blocks``."""
+    base = os.urandom(cfg.block_bytes)
+    options = None
+    if cfg.s3:
+        from shoal.testing.s3 import s3_storage_options
+
+        options = s3_storage_options(os.environ["SHOAL_S3_ENDPOINT"])
+    if cfg.policy == "recompute":
+        return Recompute()
+    if cfg.policy == "perkey":
+        if cfg.shared_url is None:
+            raise ConfigError("the per-key fallback needs ServingConfig.shared_url (its storage)")
+        tier = open_tier("shared", cfg.shared_url, options)
+        return PerKeyFallback(tier, cfg.dram_blocks // instances, cfg.block_bytes, base)
+    phys = physical_bytes(cfg.block_bytes)
+    kv = KVConfig(
+        dram_root=cfg.dram_root,
+        dram_bytes=max(phys, cfg.dram_blocks * phys),
+        local_root=cfg.local_root,
+        local_bytes=None if cfg.local_blocks is None else cfg.local_blocks * phys,
+        shared_url=cfg.shared_url,
+        storage_options=options,
+        high_water=cfg.high_water,
+    )
+    return ShoalPolicy(KVStore(kv), cfg.block_bytes, base)
+
+
+class _Writer:
+    """An instance's writer thread: stores each request's new blocks after its first token."""
+
+    def __init__(self, policy: Policy, overlap: bool) -> None:
+        self.policy = policy
+        self.overlap = overlap
+        self._jobs: queue.Queue[Sequence[BlockKey] | None] = queue.Queue(maxsize=MAX_PUTS_IN_FLIGHT)
+        self.put_seconds = 0.0
+        self.waited = 0.0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-replay-writer", daemon=True)
+        if overlap:
+            self._thread.start()
+
+    def submit(self, keys: Sequence[BlockKey]) -> None:
+        """Hand over a request's new blocks; waits (in the instance's time line) when the queue is full."""
+        if not keys:
+            return
+        if not self.overlap:
+            self._put(keys)
+            return
+        t = time.monotonic()
+        self._jobs.put(keys)
+        self.waited += time.monotonic() - t
+
+    def _put(self, keys: Sequence[BlockKey]) -> None:
+        t = time.monotonic()
+        self.policy.store(keys)
+        self.put_seconds += time.monotonic() - t
+
+    def _run(self) -> None:
+        while (keys := self._jobs.get()) is not None:
+            try:
+                self._put(keys)
+            except BaseException as e:  # noqa: BLE001 - reported by finish()
+                self.error = e
+                return
+
+    def finish(self) -> None:
+        if self.overlap:
+            self._jobs.put(None)
+            self._thread.join()
+        if self.error is not None:
+            raise ShoalError(f"the replay's writer thread failed: {self.error!r}") from self.error
+
+
+def serve_request(
+    req: TraceRequest, keys: Sequence[BlockKey], policy: Policy, cfg: ServingConfig, arrival: float
+) -> dict[str, Any]:
+    """One request on an instance that is free now (steps 1-3 of the module docstring); its record."""
+    start = time.monotonic()
+    tiers = policy.fetch(keys)
+    fetched = time.monotonic()
+    acct = account(req, tiers)
+    time.sleep(acct.uncached_tokens * cfg.per_token_s / cfg.speedup)
+    done = time.monotonic()
+    return {
+        "line": req.line,
+        "arrival": arrival,
+        "queue": start - arrival,
+        "fetch": fetched - start,
+        "prefill": done - fetched,
+        "ttft": done - arrival,
+        "blocks": acct.blocks,
+        "fetched": acct.fetched,
+        "recomputed": acct.recomputed,
+        "uncached_tokens": acct.uncached_tokens,
+    }
+
+
+def serve_requests(
+    requests: Sequence[TraceRequest], policy: Policy, cfg: ServingConfig, t0: float, origin_ms: int
+) -> dict[str, Any]:
+    """Serve ``requests`` (this instance's share) in arrival order: the trace's instant
+    ``origin_ms`` is the monotonic instant ``t0``. The records are in seconds of this machine
+    (:func:`summarize` scales them back to the trace's clock)."""
+    writer = _Writer(policy, cfg.overlap_puts)
+    records = []
+    try:
+        for req in requests:
+            arrival = t0 + (req.timestamp_ms - origin_ms) / 1000.0 / cfg.speedup
+            time.sleep(max(0.0, arrival - time.monotonic()))
+            keys = chain_keys(cfg.namespace, 0, req.hash_ids)
+            record = serve_request(req, keys, policy, cfg, arrival)
+            records.append(record)
+            writer.submit(keys[sum(record["fetched"].values()) :])
+    finally:
+        writer.finish()
+    return {
+        "records": records,
+        "put_seconds": writer.put_seconds,
+        "writer_waited": writer.waited,
+        "policy": policy.stats(),
+    }
+
+
+def replay_instance(rank: int, world: int, *, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The scenario of one rank = one serving instance: requests ``rank, rank + world, ...`` of the
+    trace window. Every rank loads the trace itself, builds its policy, then they agree on the
+    start instant (rank 0's clock plus ``start_delay_s``, broadcast; the monotonic clock is the
+    machine's, the same in every namespace) and replay. Returns :func:`serve_requests`' dict."""
+    import torch.distributed as dist
+
+    cfg = ServingConfig(**config)
+    if cfg.s3 and cfg.shared_url is not None:
+        from shoal.testing.cluster_bench import prepare_bucket
+
+        prepare_bucket(rank, cfg.shared_url.removeprefix("s3://").split("/", 1)[0])
+    reqs = window(load_trace(cfg.trace), cfg.minutes)
+    mine = reqs[rank::world]
+    policy = make_policy(cfg, world)
+    try:
+        start = [time.monotonic() + cfg.start_delay_s]
+        dist.broadcast_object_list(start, src=0)
+        out = serve_requests(mine, policy, cfg, float(start[0]), reqs[0].timestamp_ms)
+        dist.barrier()
+    finally:
+        policy.close()
+    out["rank"] = rank
+    return out
+
+
+def _percentile(xs: Sequence[float], q: float) -> float:
+    """The ``q``-quantile of ``xs`` (nearest rank); NaN for no values."""
+    if not xs:
+        return float("nan")
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.5) - 1))]
+
+
+def summarize(
+    ranks: Sequence[Mapping[str, Any]], cfg: ServingConfig, full_block_bytes: int
+) -> dict[str, Any]:
+    """One policy's report from its ranks' :func:`serve_requests` dicts: TTFT (trace seconds:
+    measured x ``speedup``) mean/p50/p90/p99 and its parts, hit ratios per tier (blocks fetched
+    from the tier / blocks asked for), blocks recomputed, and bytes read per tier, as stored here
+    and at the model's full block size."""
+    records = [r for rank in ranks for r in rank["records"]]
+    s = cfg.speedup
+    ttft = [r["ttft"] * s for r in records]
+    blocks = sum(r["blocks"] for r in records)
+    per_tier: dict[str, int] = {}
+    for r in records:
+        for tier, n in r["fetched"].items():
+            per_tier[tier] = per_tier.get(tier, 0) + n
+    recomputed = sum(r["recomputed"] for r in records)
+    if blocks != recomputed + sum(per_tier.values()):
+        raise ShoalError(
+            f"replay accounting: {blocks} blocks but {recomputed} recomputed + {per_tier} fetched"
+        )
+    return {
+        "policy": cfg.policy,
+        "requests": len(records),
+        "ttft": {
+            "mean": statistics.fmean(ttft) if ttft else float("nan"),
+            "p50": _percentile(ttft, 0.5),
+            "p90": _percentile(ttft, 0.9),
+            "p99": _percentile(ttft, 0.99),
+        },
+        "parts": {
+            k: statistics.fmean(r[k] * s for r in records) if records else 0.0
+            for k in ("queue", "fetch", "prefill")
+        },
+        "blocks": blocks,
+        "hit_ratio": {t: n / blocks for t, n in sorted(per_tier.items())} if blocks else {},
+        "recomputed_ratio": recomputed / blocks if blocks else 0.0,
+        "bytes_read": {t: n * cfg.block_bytes for t, n in sorted(per_tier.items())},
+        "bytes_read_full_scale": {t: n * full_block_bytes for t, n in sorted(per_tier.items())},
+        "uncached_tokens": sum(r["uncached_tokens"] for r in records),
+        "put_seconds": sum(rank["put_seconds"] for rank in ranks) * s,
+        "writer_waited": sum(rank["writer_waited"] for rank in ranks) * s,
+        "policy_stats": [rank["policy"] for rank in ranks],
+    }
