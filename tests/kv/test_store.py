@@ -103,6 +103,28 @@ def test_lookup_prefix_counts_the_longest_stored_prefix(shm_path: Path, tmp_path
         assert store.lookup_prefix([]) == 0
 
 
+def test_lookup_prefix_asks_the_shared_tier_once_for_a_new_tail(
+    shm_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shoal.kv.lower import SharedBlocks
+
+    asked: list[str] = []
+    real = SharedBlocks.exists
+
+    def counting(self: SharedBlocks, digest: str) -> bool:
+        asked.append(digest)
+        return real(self, digest)
+
+    monkeypatch.setattr(SharedBlocks, "exists", counting)
+    cfg = KVConfig(str(shm_path / "pool"), 8 * PHYS, shared_url=str(tmp_path / "s"), high_water=1.0)
+    ks = keys(40)
+    with KVStore(cfg) as store:
+        store.put_batch(ks[:3], [payload(i) for i in range(3)])
+        asked.clear()
+        assert store.lookup_prefix(ks) == 3  # the host holds 3; the 37 keys after them: one question
+        assert asked == [ks[3].digest]
+
+
 def test_remove_takes_a_block_from_every_tier(shm_path: Path, tmp_path: Path) -> None:
     events: list[KVEvent] = []
     cfg = KVConfig(str(shm_path / "pool"), 2 * PHYS, local_root=str(tmp_path / "l"), high_water=1.0)

@@ -73,6 +73,10 @@ log = logging.getLogger(__name__)
 Buffer = Any
 """Anything exposing the buffer protocol, or a CPU torch tensor."""
 
+
+_SHARED_LOOKUP_WINDOW = 16
+"""The most shared-tier existence checks :meth:`KVStore.lookup_prefix` has in flight at once."""
+
 __all__ = [
     "BlockSizeError",
     "DRAM",
@@ -458,12 +462,16 @@ class KVStore:
             )
             return host or shared.exists(key.digest)
 
-        window = 16  # shared lookups in parallel, a window at a time
+        # Galloping windows: the first key past the host's prefix is asked alone (the common case,
+        # a request's new tail, costs one request to the shared tier), then 2, 4 ... up to 16 keys
+        # in parallel while every key asked was there.
+        window = 1
         while n < len(keys):
             for there in self._reader_pool().map(anywhere, keys[n : n + window]):
                 if not there:
                     return n
                 n += 1
+            window = min(2 * window, _SHARED_LOOKUP_WINDOW)
         return n
 
     def remove(self, keys: Sequence[BlockKey]) -> int:
