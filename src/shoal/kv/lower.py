@@ -25,6 +25,7 @@ from shoal.errors import FormatError, InsufficientMemory, MissingFile, ShoalErro
 from shoal.kv._index import BlockIndex
 from shoal.kv.blockfile import HEADER_SIZE, check_block, decode_block, parse_header, verify_payload
 from shoal.kv.pool import BufferSizeError, is_digest_name, physical_bytes
+from shoal.tiers.base import Tier
 from shoal.tiers.local import PosixTier, open_private
 from shoal.tiers.shared import FsspecTier
 
@@ -66,7 +67,29 @@ class LowerTier(Protocol):
     def where(self, digest: str) -> str: ...
 
 
-class LocalBlocks:
+class _BlocksOnTier:
+    """What both lower tiers answer the same way from their :class:`~shoal.tiers.base.Tier`."""
+
+    tier: Tier
+
+    def exists(self, digest: str) -> bool:
+        return self.tier.exists(block_path(digest))
+
+    def block_size(self, digest: str) -> int | None:
+        """Payload bytes of the tier's copy (from the file size), or None if absent."""
+        try:
+            return max(0, self.tier.info(block_path(digest)).size - HEADER_SIZE)
+        except MissingFile:
+            return None
+
+    def delete(self, digest: str) -> bool:
+        """Remove the block; whether it was there."""
+        there = self.exists(digest)
+        self.tier.delete(block_path(digest))
+        return there
+
+
+class LocalBlocks(_BlocksOnTier):
     """Block files on the host's local disk, counted against ``capacity`` in the host index.
 
     When a write needs room, least-recently-used unpinned blocks are deleted (after being copied
@@ -74,6 +97,7 @@ class LocalBlocks:
     """
 
     name = "local"
+    tier: PosixTier
 
     def __init__(self, root: str, capacity: int | None, index: BlockIndex | None = None) -> None:
         self.tier = PosixTier(root)
@@ -139,18 +163,8 @@ class LocalBlocks:
         verify_payload(header, out, path)
         return True
 
-    def exists(self, digest: str) -> bool:
-        return self.tier.exists(block_path(digest))
-
-    def block_size(self, digest: str) -> int | None:
-        try:
-            return max(0, self.tier.info(block_path(digest)).size - HEADER_SIZE)
-        except MissingFile:
-            return None
-
     def delete(self, digest: str) -> bool:
-        there = self.exists(digest)
-        self.tier.delete(block_path(digest))
+        there = super().delete(digest)
         if self.index is not None:
             self.index.local_forget([digest])
         return there
@@ -178,7 +192,7 @@ class LocalBlocks:
         return out
 
 
-class SharedBlocks:
+class SharedBlocks(_BlocksOnTier):
     """Block files on the shared tier (any fsspec URL), read whole and verified."""
 
     name = "shared"
@@ -213,20 +227,6 @@ class SharedBlocks:
             )
         out[:] = payload
         return True
-
-    def exists(self, digest: str) -> bool:
-        return self.tier.exists(block_path(digest))
-
-    def block_size(self, digest: str) -> int | None:
-        try:
-            return max(0, self.tier.info(block_path(digest)).size - HEADER_SIZE)
-        except MissingFile:
-            return None
-
-    def delete(self, digest: str) -> bool:
-        there = self.exists(digest)
-        self.tier.delete(block_path(digest))
-        return there
 
 
 def tier_error(tier: str, digest: str, err: BaseException) -> ShoalError:
