@@ -53,8 +53,8 @@ def test_capacity_is_never_exceeded_under_a_random_workload(
             batch = rng.sample(universe, rng.randint(1, 6))
             if op < 0.5:
                 data = [payload(universe.index(k), sizes[k.digest]) for k in batch]
-                for r in store.put_batch(batch, data):
-                    assert r.error is None, r.error
+                for put in store.put_batch(batch, data):
+                    assert put.error is None, put.error
             elif op < 0.8:
                 bufs = [bytearray(sizes[k.digest]) for k in batch]
                 for k, buf, r in zip(batch, bufs, store.get_batch_into(batch, bufs), strict=True):
@@ -88,7 +88,7 @@ def test_puts_beyond_capacity_evict_lru_and_write_back_to_local(shm_path: Path, 
         assert [r.tier for r in results[:6]] == ["local"] * 6
         assert all(r.hit and buf == payload(i) for i, (r, buf) in enumerate(zip(results, bufs, strict=True)))
         stats = store.stats()
-        assert stats.tiers["local"].hits == 6 and stats.tiers["dram"].bytes_used <= 4 * PHYS
+        assert stats.tiers["local"].hits == 6 and (stats.tiers["dram"].bytes_used or 0) <= 4 * PHYS
     kinds = {e.kind for e in events}
     assert {"stored", "evicted", "written_back"} <= kinds
     wb = [e for e in events if e.kind == "written_back"]
@@ -116,8 +116,39 @@ def test_background_eviction_keeps_the_pool_under_high_water(shm_path: Path, tmp
     with KVStore(cfg) as store:
         store.put_batch(keys(9), [payload(i) for i in range(9)])
         store.flush(30)
-        assert store.stats().tiers["dram"].bytes_used <= 0.5 * cap
+        assert (store.stats().tiers["dram"].bytes_used or 0) <= 0.5 * cap
         assert store.lookup_prefix(keys(9)) == 9  # nothing lost: the rest is on local
+
+
+def test_a_put_batch_never_evicts_a_block_it_reports_present(shm_path: Path) -> None:
+    """A batch whose present blocks are the pool's least recently used: its new blocks evict the
+    next LRU ones instead, so every block reported in DRAM is there (it used to evict them for the
+    batch's first new blocks, then report them present: lost)."""
+    cfg = KVConfig(str(shm_path / "pool"), 4 * PHYS, writeback=False, high_water=1.0)
+    ks = keys(6)
+    with KVStore(cfg) as store:
+        for i in range(4):  # one at a time: LRU order 0, 1, 2, 3
+            store.put_batch([ks[i]], [payload(i)])
+        batch = [ks[4], ks[5], ks[0], ks[1]]
+        results = store.put_batch(batch, [payload(i) for i in (4, 5, 0, 1)])
+        assert [(r.stored, r.tier) for r in results] == [(True, "dram")] * 2 + [(False, "dram")] * 2
+        assert [store.contains(k) for k in ks] == ["dram", "dram", None, None, "dram", "dram"]
+        bufs = [bytearray(BLOCK) for _ in batch]
+        got = store.get_batch_into(batch, bufs)
+        assert all(r.tier == "dram" for r in got)
+        assert [bytes(b) for b in bufs] == [payload(i) for i in (4, 5, 0, 1)]
+
+
+def test_a_batch_put_at_one_instant_is_evicted_in_its_order(shm_path: Path) -> None:
+    cfg = KVConfig(str(shm_path / "pool"), 4 * PHYS, writeback=False, high_water=1.0)
+    ks = keys(6)
+    with KVStore(cfg) as store:
+        store.put_batch(ks[:4], [payload(i) for i in range(4)])
+        store.put_batch(ks[4:5], [payload(4)])
+        assert [store.contains(k) for k in ks[:5]] == [None, "dram", "dram", "dram", "dram"]
+        store.get_batch_into(ks[1:5], [bytearray(BLOCK) for _ in range(4)])  # touched at one instant
+        store.put_batch(ks[5:6], [payload(5)])
+        assert [store.contains(k) for k in ks[1:]] == [None, "dram", "dram", "dram", "dram"]
 
 
 def test_pinned_blocks_are_not_evicted_and_a_lease_expires(shm_path: Path) -> None:

@@ -14,6 +14,7 @@ import pytest
 from shoal.testing.kv_trace import (
     TraceError,
     TraceRequest,
+    _Lru,
     account,
     load_trace,
     prefix_chains,
@@ -93,7 +94,7 @@ def test_prefix_chains_name_whole_prefixes() -> None:
 def _reference_lru(chains: list[list[int]], capacity: int, backed: bool) -> tuple[list[int], list[int]]:
     """Brute force, with explicit clocks as the store's index keeps them: each block has (atime,
     rowid); a batch touched or put at one instant shares its atime; eviction takes the smallest
-    pair among the blocks the current put did not store."""
+    pair among the blocks the current put does not list."""
     clock, rowid = 0, 0
     rows: dict[int, tuple[int, int]] = {}
     stored: set[int] = set()
@@ -102,18 +103,16 @@ def _reference_lru(chains: list[list[int]], capacity: int, backed: bool) -> tupl
     def put(batch: list[int]) -> None:
         nonlocal clock, rowid
         clock += 1
-        mine: set[int] = set()
         for b in batch:
             if b in rows:
                 continue
             if len(rows) >= capacity:
-                others = [x for x in rows if x not in mine]
+                others = [x for x in rows if x not in batch]
                 if not others:
                     continue  # only this batch's blocks are left: the block does not fit
                 del rows[min(others, key=lambda x: rows[x])]
             rowid += 1
             rows[b] = (clock, rowid)
-            mine.add(b)
 
     for chain in chains:
         have = stored if backed else set(rows)
@@ -158,6 +157,19 @@ def test_simulate_lru_matches_a_brute_force_reference(seed: int, capacity: int, 
     assert got.dram_hits == hits
     assert got.blocks == sum(len(c) for c in chains)
     assert all(h <= p for h, p in zip(got.dram_hits, got.prefix, strict=True))
+
+
+def test_a_put_never_evicts_a_present_block_it_lists() -> None:
+    """Request 3's prefix stops at a missing head (block 0) while its tail (1, 2) is stored, at the
+    LRU end: its put stores 0 and 3 by evicting 4 and 5, and keeps 1 and 2 (as the store does)."""
+    chains = [[0, 1, 2], [4, 5], [0, 1, 2, 3], [0, 1, 2, 3]]
+    lru = _Lru(4)
+    lru.put(chains[0])
+    lru.put(chains[1])  # evicts 0: the pool is 1, 2, 4, 5
+    assert list(lru.order) == [1, 2, 4, 5]
+    lru.put(chains[2])
+    assert list(lru.order) == [1, 2, 0, 3]
+    assert simulate_lru(chains, 4, backed=False).dram_hits == [0, 0, 0, 4]
 
 
 def test_an_unbounded_pool_hits_every_block_seen_before() -> None:

@@ -21,7 +21,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -151,18 +151,21 @@ class BlockIndex:
     # -- the pool ---------------------------------------------------------------------------
 
     def reserve(
-        self, items: Sequence[tuple[str, int, int]], writeback: bool
+        self, items: Sequence[tuple[str, int, int]], writeback: bool, *, keep: Collection[str] = ()
     ) -> tuple[list[Reservation], list[Victim]]:
         """Reserve ``(digest, size, phys)`` for each item in one transaction.
 
         Returns each item's :class:`Reservation` and the victims claimed (state ``EVICTING``,
         owned by this process) to make room: the caller writes them back / drops them
         (:meth:`release`) and reserves the items marked ``full`` again. No victim is claimed for
-        an item that cannot fit even then.
+        an item that cannot fit even then. The items and ``keep`` (the rest of the caller's put
+        batch) are never victims: a block the batch lists and the pool holds is reported
+        ``present``, so it must stay (a batch that evicted it would report it stored and lose it).
         """
         now = time.time()
         out: list[Reservation] = []
         claimed: list[Victim] = []
+        skip = {d for d, _, _ in items}.union(keep)
         with self.transaction() as c:
             used = _meta(c, "used")
             for digest, size, phys in items:
@@ -181,7 +184,7 @@ class BlockIndex:
                     used += phys
                     out.append(Reservation(digest, "reserved"))
                     continue
-                victims = _lru_unpinned(c, "blocks", used + phys - self.capacity, now, exclude=claimed)
+                victims = _lru_unpinned(c, "blocks", used + phys - self.capacity, now, skip=skip)
                 free = self.capacity - used
                 if victims is None:
                     out.append(Reservation(digest, "full", needed=phys, free=free))
@@ -191,6 +194,7 @@ class BlockIndex:
                     [(EVICTING, self.pid, v[0]) for v in victims],
                 )
                 claimed.extend(Victim(*v) for v in victims)
+                skip.update(v[0] for v in victims)
                 out.append(Reservation(digest, "full", needed=phys, free=free))
             _set_meta(c, "used", used)
         self.last_used = used
@@ -205,7 +209,7 @@ class BlockIndex:
             excess = used - int(evicting.fetchone()[0]) - target
             if excess <= 0:
                 return []
-            victims = _lru_unpinned(c, "blocks", excess, now, exclude=[], partial=True) or []
+            victims = _lru_unpinned(c, "blocks", excess, now, partial=True) or []
             c.executemany(
                 "UPDATE blocks SET state = ?, owner = ? WHERE digest = ?",
                 [(EVICTING, self.pid, v[0]) for v in victims],
@@ -300,7 +304,7 @@ class BlockIndex:
             used = _meta(c, "local_used")
             victims: list[tuple[str, int]] = []
             if capacity is not None and used + phys > capacity:
-                found = _lru_unpinned(c, "local", used + phys - capacity, now, exclude=[])
+                found = _lru_unpinned(c, "local", used + phys - capacity, now)
                 if found is None:
                     raise OverflowError(used + phys - capacity)
                 victims = [(v[0], v[2]) for v in found]
@@ -395,12 +399,12 @@ def _lru_unpinned(
     need: int,
     now: float,
     *,
-    exclude: Sequence[Victim],
+    skip: Collection[str] = (),
     partial: bool = False,
 ) -> list[tuple[str, int, int, str | None]] | None:
-    """LRU unpinned blocks of ``table`` whose bytes add up to ``need`` (None if they cannot, unless
-    ``partial``); pool blocks must be ``READY``. Rows: ``(digest, size, phys, lower)``."""
-    skip = {v.digest for v in exclude}
+    """LRU unpinned blocks of ``table``, none of ``skip``, whose bytes add up to ``need`` (None if
+    they cannot, unless ``partial``); pool blocks must be ``READY``. Rows: ``(digest, size, phys,
+    lower)``."""
     if table == "blocks":
         sql = (
             f"SELECT digest, size, phys, lower FROM blocks b WHERE state = {READY} AND "

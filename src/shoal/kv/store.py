@@ -181,7 +181,7 @@ class KVStore:
         last: dict[str, tuple[int, int]] = {}
         for attempt in range(6):
             reqs = [(d, items[d][0].nbytes, physical_bytes(items[d][0].nbytes)) for d in pending]
-            reservations, victims = self._pool.index.reserve(reqs, self.config.writeback)
+            reservations, victims = self._pool.index.reserve(reqs, self.config.writeback, keep=items.keys())
             written: list[tuple[str, str | None]] = []
             full: list[str] = []
             stale: list[str] = []

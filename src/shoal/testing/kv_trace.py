@@ -16,7 +16,7 @@ same place after equal ids name a reusable block. Who calls what:
   per request, the longest stored prefix is fetched (its DRAM hits touched as one batch), blocks
   found below DRAM are promoted, then the request's new blocks are put as one batch. It
   reproduces the store's rules (a batch touched at one instant keeps its blocks' insertion order;
-  a put is not a touch; a put batch never evicts its own blocks), so that a
+  a put is not a touch; a put batch never evicts a block it lists, new or present), so that a
   replay through :class:`shoal.kv.KVStore` with room for exactly ``capacity`` blocks gives the same
   DRAM hits. The benchmark checks its measured DRAM hit ratio against it.
 * :func:`account` is the per-request bookkeeping: which blocks were fetched (and from which tier),
@@ -194,19 +194,20 @@ class _Lru:
 
     def put(self, blocks: Sequence[int]) -> None:
         """One put batch, in order. A present block is left as it is (a put is not a touch); a new
-        one evicts the LRU block, but never one this batch stored: when only those are left, the
-        rest of the batch does not fit (the store sends it to the next tier, or fails it)."""
-        mine = 0
+        one evicts the LRU block, but never one this batch lists (stored by it, or present: the
+        store reports a present block as stored and keeps it): when only those are left, the rest
+        of the batch does not fit (the store sends it to the next tier, or fails it)."""
+        keep = set(blocks)
         for block in blocks:
             if block in self.order:
                 continue
             if len(self.order) >= self.capacity:
-                if mine >= self.capacity:
+                victim = next((b for b in self.order if b not in keep), None)
+                if victim is None:
                     continue
-                self.order.popitem(last=False)  # the batch's own blocks sit at the MRU end
+                del self.order[victim]
             self.order[block] = self.next_seq
             self.next_seq += 1
-            mine += 1
 
 
 def simulate_lru(chains: Sequence[Sequence[int]], capacity: int, *, backed: bool) -> LruResult:
