@@ -139,16 +139,21 @@ def test_a_put_batch_never_evicts_a_block_it_reports_present(shm_path: Path) -> 
         assert [bytes(b) for b in bufs] == [payload(i) for i in (4, 5, 0, 1)]
 
 
-def test_a_batch_put_at_one_instant_is_evicted_in_its_order(shm_path: Path) -> None:
+def test_a_batch_touched_or_stored_at_one_instant_is_evicted_tail_first(shm_path: Path) -> None:
+    """A prefix's blocks, head first: its deepest block goes first, so what stays is a usable
+    prefix (a tail without its head serves no lookup)."""
     cfg = KVConfig(str(shm_path / "pool"), 4 * PHYS, writeback=False, high_water=1.0)
-    ks = keys(6)
+    ks = keys(7)
     with KVStore(cfg) as store:
         store.put_batch(ks[:4], [payload(i) for i in range(4)])
         store.put_batch(ks[4:5], [payload(4)])
-        assert [store.contains(k) for k in ks[:5]] == [None, "dram", "dram", "dram", "dram"]
-        store.get_batch_into(ks[1:5], [bytearray(BLOCK) for _ in range(4)])  # touched at one instant
-        store.put_batch(ks[5:6], [payload(5)])
-        assert [store.contains(k) for k in ks[1:]] == [None, "dram", "dram", "dram", "dram"]
+        assert [store.contains(k) for k in ks[:5]] == ["dram", "dram", "dram", None, "dram"]
+        assert store.lookup_prefix(ks[:4]) == 3
+        got = store.get_batch_into(ks[:3], [bytearray(BLOCK) for _ in range(3)])  # one instant
+        assert all(r.tier == "dram" for r in got)
+        store.put_batch(ks[5:7], [payload(5), payload(6)])  # evicts 4 (older), then 2, not 0
+        assert [store.contains(k) for k in ks] == ["dram", "dram", None, None, None, "dram", "dram"]
+        assert store.lookup_prefix(ks) == 2
 
 
 def test_pinned_blocks_are_not_evicted_and_a_lease_expires(shm_path: Path) -> None:

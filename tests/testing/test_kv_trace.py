@@ -93,17 +93,17 @@ def test_prefix_chains_name_whole_prefixes() -> None:
 
 def _reference_lru(chains: list[list[int]], capacity: int, backed: bool) -> tuple[list[int], list[int]]:
     """Brute force, with explicit clocks as the store's index keeps them: each block has (atime,
-    rowid); a batch touched or put at one instant shares its atime; eviction takes the smallest
-    pair among the blocks the current put does not list."""
-    clock, rowid = 0, 0
+    -depth); a batch touched or put at one instant shares its atime, depth is the block's place in
+    that batch; eviction takes the smallest pair among the blocks the current put does not list."""
+    clock = 0
     rows: dict[int, tuple[int, int]] = {}
     stored: set[int] = set()
     prefixes, hits = [], []
 
     def put(batch: list[int]) -> None:
-        nonlocal clock, rowid
+        nonlocal clock
         clock += 1
-        for b in batch:
+        for depth, b in enumerate(batch):
             if b in rows:
                 continue
             if len(rows) >= capacity:
@@ -111,16 +111,15 @@ def _reference_lru(chains: list[list[int]], capacity: int, backed: bool) -> tupl
                 if not others:
                     continue  # only this batch's blocks are left: the block does not fit
                 del rows[min(others, key=lambda x: rows[x])]
-            rowid += 1
-            rows[b] = (clock, rowid)
+            rows[b] = (clock, -depth)
 
     for chain in chains:
         have = stored if backed else set(rows)
         k = next((i for i, b in enumerate(chain) if b not in have), len(chain))
         in_dram = [b for b in chain[:k] if b in rows]
         clock += 1
-        for b in in_dram:
-            rows[b] = (clock, rows[b][1])
+        for depth, b in enumerate(in_dram):
+            rows[b] = (clock, -depth)
         for b in chain[:k]:
             if b not in rows:
                 put([b])
@@ -159,17 +158,21 @@ def test_simulate_lru_matches_a_brute_force_reference(seed: int, capacity: int, 
     assert all(h <= p for h, p in zip(got.dram_hits, got.prefix, strict=True))
 
 
-def test_a_put_never_evicts_a_present_block_it_lists() -> None:
-    """Request 3's prefix stops at a missing head (block 0) while its tail (1, 2) is stored, at the
-    LRU end: its put stores 0 and 3 by evicting 4 and 5, and keeps 1 and 2 (as the store does)."""
-    chains = [[0, 1, 2], [4, 5], [0, 1, 2, 3], [0, 1, 2, 3]]
+def test_a_batch_is_evicted_tail_first_and_a_put_keeps_the_present_blocks_it_lists() -> None:
+    """The store's rules: a batch (a prefix, head first) touched or stored at one instant sits at
+    the MRU end tail first; a put never evicts a block it lists, present or new."""
     lru = _Lru(4)
-    lru.put(chains[0])
-    lru.put(chains[1])  # evicts 0: the pool is 1, 2, 4, 5
-    assert list(lru.order) == [1, 2, 4, 5]
-    lru.put(chains[2])
-    assert list(lru.order) == [1, 2, 0, 3]
-    assert simulate_lru(chains, 4, backed=False).dram_hits == [0, 0, 0, 4]
+    lru.put([0])
+    lru.put([1, 2])
+    assert list(lru.order) == [0, 2, 1]
+    lru.put([4, 5])  # evicts 0, the LRU block: 1 and 2 are a tail without its head
+    assert list(lru.order) == [2, 1, 5, 4]
+    lru.put([0, 1, 2, 3])  # 0 and 3 evict 5 and 4, never the present 1 and 2
+    assert list(lru.order) == [2, 1, 3, 0]
+    lru.touch([0, 1, 2, 3])
+    assert list(lru.order) == [3, 2, 1, 0]
+    lru.put([7, 8, 9, 6, 5])  # the rest of the batch does not fit once only its own are left
+    assert list(lru.order) == [6, 9, 8, 7]
 
 
 def test_an_unbounded_pool_hits_every_block_seen_before() -> None:

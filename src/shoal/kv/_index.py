@@ -7,6 +7,11 @@ access, which lower tier holds a copy), ``local`` (the local tier's blocks, for 
 byte totals). Every change is one ``BEGIN IMMEDIATE`` transaction, so reservations from several
 processes are serialised by sqlite's write lock and the totals never pass the capacity.
 
+Eviction order (pool blocks): least recent ``atime`` first; within one batch touched or stored at
+one instant, the deepest first: ``depth`` is a block's position in its batch (the caller passes a
+prefix's keys head first), so a prefix's tail goes before its head. A block is reusable only if
+every block before it is present: evicting a head first would strand its tail.
+
 States of a pool block: ``WRITING`` (bytes reserved, the file being written by ``owner``),
 ``READY`` (the file is whole), ``EVICTING`` (claimed by ``owner`` to be written back and dropped;
 still readable, its bytes still counted). A row whose owner died is swept (:meth:`sweep_dead`).
@@ -28,13 +33,13 @@ from dataclasses import dataclass
 from shoal.errors import ConfigError
 
 WRITING, READY, EVICTING = 0, 1, 2
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS blocks(
     digest TEXT PRIMARY KEY, size INTEGER NOT NULL, phys INTEGER NOT NULL, state INTEGER NOT NULL,
-    owner INTEGER, atime REAL NOT NULL, lower TEXT);
-CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(state, atime);
+    owner INTEGER, atime REAL NOT NULL, depth INTEGER NOT NULL DEFAULT 0, lower TEXT);
+CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(state, atime, depth DESC);
 CREATE TABLE IF NOT EXISTS local(digest TEXT PRIMARY KEY, phys INTEGER NOT NULL, atime REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS local_lru ON local(atime);
 CREATE TABLE IF NOT EXISTS leases(id TEXT NOT NULL, digest TEXT NOT NULL, owner INTEGER NOT NULL,
@@ -216,17 +221,18 @@ class BlockIndex:
             )
         return [Victim(*v) for v in victims]
 
-    def mark_ready(self, written: Sequence[tuple[str, str | None]]) -> None:
-        """The files of ``(digest, lower tier holding a copy or None)`` reserved by this process are
-        whole: serve and count them."""
+    def mark_ready(self, written: Sequence[tuple[str, str | None, int]], at: float | None = None) -> None:
+        """The files of ``(digest, lower tier holding a copy or None, depth in its put batch)``
+        reserved by this process are whole: serve and count them, as used at ``at`` (default now;
+        a put batch passes one instant for all its rounds, so its tail is evicted before its head)."""
         if not written:
             return
-        now = time.time()
+        now = time.time() if at is None else at
         with self.transaction() as c:
             c.executemany(
-                "UPDATE blocks SET state = ?, owner = NULL, atime = ?, lower = ? WHERE digest = ? "
+                "UPDATE blocks SET state = ?, owner = NULL, atime = ?, depth = ?, lower = ? WHERE digest = ? "
                 "AND state = ? AND owner = ?",
-                [(READY, now, lower, d, WRITING, self.pid) for d, lower in written],
+                [(READY, now, depth, lower, d, WRITING, self.pid) for d, lower, depth in written],
             )
 
     def release(self, digests: Iterable[str], *, states: Sequence[int] = (WRITING, EVICTING)) -> int:
@@ -253,11 +259,14 @@ class BlockIndex:
             )
 
     def touch(self, digests: Sequence[str]) -> None:
-        """Mark blocks as just used (LRU)."""
+        """Mark blocks as used at one instant (LRU), in prefix order: the last is evicted first."""
         if digests:
             now = time.time()
             with self.transaction() as c:
-                c.executemany("UPDATE blocks SET atime = ? WHERE digest = ?", [(now, d) for d in digests])
+                c.executemany(
+                    "UPDATE blocks SET atime = ?, depth = ? WHERE digest = ?",
+                    [(now, i, d) for i, d in enumerate(digests)],
+                )
 
     def pool_row(self, digest: str) -> tuple[int, int] | None:
         """``(state, phys)`` of a pool block, or None."""
@@ -408,7 +417,7 @@ def _lru_unpinned(
     if table == "blocks":
         sql = (
             f"SELECT digest, size, phys, lower FROM blocks b WHERE state = {READY} AND "
-            f"{_UNPINNED.format(t='b')} ORDER BY atime"
+            f"{_UNPINNED.format(t='b')} ORDER BY atime, depth DESC"
         )
     else:
         sql = f"SELECT digest, 0, phys, NULL FROM local t WHERE {_UNPINNED.format(t='t')} ORDER BY atime"

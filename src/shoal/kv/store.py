@@ -178,11 +178,13 @@ class KVStore:
         """Put blocks into the pool, evicting inline when full; the rest to the next tier (or errors)."""
         out: dict[str, tuple[bool, str | None, ShoalError | None]] = {}
         pending = list(items)
+        depth = {d: i for i, d in enumerate(items)}
+        at = time.time()  # one instant for the whole batch, whichever round stores a block
         last: dict[str, tuple[int, int]] = {}
         for attempt in range(6):
             reqs = [(d, items[d][0].nbytes, physical_bytes(items[d][0].nbytes)) for d in pending]
             reservations, victims = self._pool.index.reserve(reqs, self.config.writeback, keep=items.keys())
-            written: list[tuple[str, str | None]] = []
+            written: list[tuple[str, str | None, int]] = []
             full: list[str] = []
             stale: list[str] = []
             for r in reservations:
@@ -197,9 +199,9 @@ class KVStore:
                 else:
                     out[r.digest] = self._write_pool_file(r.digest, view)
                     if out[r.digest][0]:
-                        written.append((r.digest, lower))
-            self._pool.index.mark_ready(written)
-            for digest, _ in written:
+                        written.append((r.digest, lower, depth[r.digest]))
+            self._pool.index.mark_ready(written, at)
+            for digest, _, _ in written:
                 self._emit("stored", digest, DRAM, items[digest][0].nbytes)
             if victims:
                 self._writeback.evict(victims)

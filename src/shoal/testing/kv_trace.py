@@ -15,10 +15,11 @@ same place after equal ids name a reusable block. Who calls what:
   same operations the serving simulator (:mod:`shoal.testing.kv_serving`) does on shoal's store:
   per request, the longest stored prefix is fetched (its DRAM hits touched as one batch), blocks
   found below DRAM are promoted, then the request's new blocks are put as one batch. It
-  reproduces the store's rules (a batch touched at one instant keeps its blocks' insertion order;
-  a put is not a touch; a put batch never evicts a block it lists, new or present), so that a
-  replay through :class:`shoal.kv.KVStore` with room for exactly ``capacity`` blocks gives the same
-  DRAM hits. The benchmark checks its measured DRAM hit ratio against it.
+  reproduces the store's rules (within a batch touched or stored at one instant, the prefix's
+  tail is evicted before its head; a put is not a touch; a put batch never evicts a block it
+  lists, new or present), so that a replay through :class:`shoal.kv.KVStore` with room for
+  exactly ``capacity`` blocks gives the same DRAM hits. The benchmark checks its measured DRAM
+  hit ratio against it.
 * :func:`account` is the per-request bookkeeping: which blocks were fetched (and from which tier),
   which were recomputed, and the cached and uncached tokens.
 """
@@ -181,15 +182,15 @@ class LruResult:
 
 @dataclass
 class _Lru:
-    """The pool's order: LRU first. ``seq`` is a block's insertion number (the index's rowid)."""
+    """The pool's order: LRU first."""
 
     capacity: int
-    order: OrderedDict[int, int] = field(default_factory=OrderedDict)
-    next_seq: int = 0
+    order: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
     def touch(self, blocks: Sequence[int]) -> None:
-        """One batch touched at one instant: to the MRU end, in their insertion order."""
-        for b in sorted(blocks, key=self.order.__getitem__):
+        """One batch (a prefix, head first) touched at one instant: to the MRU end, its tail
+        least recent (evicted first)."""
+        for b in reversed(blocks):
             self.order.move_to_end(b)
 
     def put(self, blocks: Sequence[int]) -> None:
@@ -198,6 +199,7 @@ class _Lru:
         store reports a present block as stored and keeps it): when only those are left, the rest
         of the batch does not fit (the store sends it to the next tier, or fails it)."""
         keep = set(blocks)
+        new: list[int] = []
         for block in blocks:
             if block in self.order:
                 continue
@@ -206,8 +208,10 @@ class _Lru:
                 if victim is None:
                     continue
                 del self.order[victim]
-            self.order[block] = self.next_seq
-            self.next_seq += 1
+            self.order[block] = None
+            new.append(block)
+        for block in reversed(new):  # stored at one instant: the batch's tail is evicted first
+            self.order.move_to_end(block)
 
 
 def simulate_lru(chains: Sequence[Sequence[int]], capacity: int, *, backed: bool) -> LruResult:
