@@ -110,6 +110,10 @@ def _run_local(args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
     return results
 
 
+def _cpus(text: str | None) -> tuple[int, ...] | None:
+    return None if text is None else tuple(int(c) for c in text.split(","))
+
+
 def _run_cluster(args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
     from shoal.testing.cluster import Cluster, ClusterSpec, cannot_run
     from shoal.testing.cluster_load import BackgroundLoad
@@ -118,7 +122,12 @@ def _run_cluster(args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
     if why:
         raise SystemExit(f"cannot run the emulated cluster: {why}")
     spec = ClusterSpec(
-        hosts=2, host_storage_mbit=args.host_storage_mbit, fabric_mbit=400.0, storage_mbit=args.storage_mbit
+        hosts=2,
+        host_storage_mbit=args.host_storage_mbit,
+        fabric_mbit=400.0,
+        storage_mbit=args.storage_mbit,
+        storage_cpus=_cpus(args.storage_cpus),
+        job_cpus=_cpus(args.job_cpus),
     )
     results = []
     with Cluster(spec) as cluster:
@@ -260,6 +269,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dram-dir", default="/dev/shm")
     ap.add_argument("--host-storage-mbit", type=float, default=200.0)
     ap.add_argument("--storage-mbit", type=float, default=300.0)
+    ap.add_argument(
+        "--storage-cpus", default=None, help="CPUs (comma-separated) for the S3 server and the tenant"
+    )
+    ap.add_argument("--job-cpus", default=None, help="CPUs (comma-separated) for the serving instances")
     ap.add_argument("--tenant-writers", type=int, default=1)
     ap.add_argument("--tenant-readers", type=int, default=1)
     ap.add_argument("--tenant-pause", type=float, default=0.5)
