@@ -55,7 +55,7 @@ def is_digest_name(name: str) -> bool:
     return len(name) == 64 and all(ch in "0123456789abcdef" for ch in name)
 
 
-class BufferSizeError(ValueError):
+class BufferSizeError(ShoalError, ValueError):
     """The caller's buffer is not the block's size (the store turns it into an error result)."""
 
     def __init__(self, message: str, block_bytes: int) -> None:
