@@ -23,10 +23,10 @@ from typing import Any, Protocol
 from shoal import failpoints
 from shoal.errors import FormatError, InsufficientMemory, MissingFile, ShoalError, TierError
 from shoal.kv._index import BlockIndex
-from shoal.kv.blockfile import HEADER_SIZE, check_block, decode_block, parse_header, verify_payload
-from shoal.kv.pool import BufferSizeError, is_digest_name, physical_bytes
+from shoal.kv.blockfile import HEADER_SIZE, check_block, decode_block, parse_header
+from shoal.kv.pool import BufferSizeError, is_digest_name, physical_bytes, read_block_file_into
 from shoal.tiers.base import Tier
-from shoal.tiers.local import PosixTier, open_private
+from shoal.tiers.local import PosixTier
 from shoal.tiers.shared import FsspecTier
 
 log = logging.getLogger(__name__)
@@ -142,26 +142,7 @@ class LocalBlocks(_BlocksOnTier):
     def read_into(self, digest: str, out: memoryview) -> bool:
         failpoints.hit(FP_LOCAL_READ, rank=failpoints.process_rank())
         path = os.path.join(self.tier.root, block_path(digest))
-        try:
-            fd = open_private(path, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        try:
-            size = os.fstat(fd).st_size
-            if size - HEADER_SIZE != out.nbytes and size >= HEADER_SIZE:
-                raise BufferSizeError(
-                    f"block {digest} on the local tier is {size - HEADER_SIZE} bytes, the buffer is "
-                    f"{out.nbytes} bytes; pass a buffer of the block's size",
-                    size - HEADER_SIZE,
-                )
-            head = bytearray(HEADER_SIZE)
-            got = os.preadv(fd, [head, out], 0)
-        finally:
-            os.close(fd)
-        header = parse_header(head, path)
-        check_block(header, digest, got if got == size else size, path)
-        verify_payload(header, out, path)
-        return True
+        return read_block_file_into(path, digest, out, "on the local tier")
 
     def delete(self, digest: str) -> bool:
         there = super().delete(digest)

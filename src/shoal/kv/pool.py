@@ -63,6 +63,38 @@ class BufferSizeError(ShoalError, ValueError):
         self.block_bytes = block_bytes
 
 
+def read_block_file_into(path: str, digest: str, out: memoryview, where: str) -> bool:
+    """Read the block file at ``path`` into ``out`` (one ``preadv``) and verify header and payload.
+
+    False if there is no such file. Raises :class:`BufferSizeError` for a buffer of the wrong size,
+    and :class:`~shoal.errors.FormatError` / :class:`~shoal.errors.ChecksumMismatch` for a torn or
+    corrupt file (``out`` then holds garbage). ``where`` names the tier in messages. The pool and
+    the local tier both read their block files here.
+    """
+    try:
+        fd = open_private(path, os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        if size - HEADER_SIZE != out.nbytes:
+            if size < HEADER_SIZE:
+                raise FormatError(f"block file {path} is {size} bytes, shorter than its header")
+            raise BufferSizeError(
+                f"block {digest} {where} is {size - HEADER_SIZE} bytes, the buffer is "
+                f"{out.nbytes} bytes; pass a buffer of the block's size",
+                size - HEADER_SIZE,
+            )
+        head = bytearray(HEADER_SIZE)
+        got = os.preadv(fd, [head, out], 0)
+    finally:
+        os.close(fd)
+    header = parse_header(head, path)
+    check_block(header, digest, got, path)
+    verify_payload(header, out, path)
+    return True
+
+
 class DramPool:
     """The files of the host pool and its index (module docstring). Created by ``KVStore``."""
 
@@ -193,33 +225,9 @@ class DramPool:
     def read_into(self, digest: str, out: memoryview) -> bool:
         """Fill ``out`` with the block's verified payload; False if the pool does not hold it.
 
-        Raises :class:`BufferSizeError` for a buffer of the wrong size, and
-        :class:`~shoal.errors.FormatError` / :class:`~shoal.errors.ChecksumMismatch` for a torn or
-        corrupt file (``out`` then holds garbage).
+        Raises as :func:`read_block_file_into`.
         """
-        path = self.path(digest)
-        try:
-            fd = open_private(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            size = os.fstat(fd).st_size
-            if size - HEADER_SIZE != out.nbytes:
-                if size < HEADER_SIZE:
-                    raise FormatError(f"block file {path} is {size} bytes, shorter than its header")
-                raise BufferSizeError(
-                    f"block {digest} in the KV pool is {size - HEADER_SIZE} bytes, the buffer is "
-                    f"{out.nbytes} bytes; pass a buffer of the block's size",
-                    size - HEADER_SIZE,
-                )
-            head = bytearray(HEADER_SIZE)
-            got = os.preadv(fd, [head, out], 0)
-        finally:
-            os.close(fd)
-        header = parse_header(head, path)
-        check_block(header, digest, got, path)
-        verify_payload(header, out, path)
-        return True
+        return read_block_file_into(self.path(digest), digest, out, "in the KV pool")
 
     def read_raw(self, digest: str) -> bytes:
         """The whole block file (for a write-back); FileNotFoundError if gone."""
