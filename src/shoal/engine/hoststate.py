@@ -334,6 +334,17 @@ def drop_leftover(dram: Tier, leftover: Leftover) -> None:
     slabs.delete_slab(leftover.slot)
 
 
+def drop_superseded(dram: Tier, leftovers: list[Leftover], newest: int) -> None:
+    """Drop each of ``leftovers`` (step ``newest`` of the run is committed); a failure is logged."""
+    for left in leftovers:
+        try:
+            drop_leftover(dram, left)
+            log.info("dropped step %s staged by an earlier process (slab %s): step %d is committed",
+                     left.step, left.slot, newest)  # fmt: skip
+        except ShoalError as e:
+            log.warning("could not drop the leftover slab %s: %s", left.slot, e)
+
+
 __all__ = [
     "HostLeftovers",
     "HostLock",
@@ -343,6 +354,7 @@ __all__ = [
     "claim_shared_run",
     "decode_run",
     "drop_leftover",
+    "drop_superseded",
     "find_leftovers",
     "host_dir",
     "list_host_runs",

@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -30,13 +29,14 @@ from shoal.boundary import Boundary
 from shoal.config import Config
 from shoal.engine.catalog import ChunkCatalog
 from shoal.engine.events import EventLog, monotonic
+from shoal.engine.exposure_feed import ExposureFeed
 from shoal.engine.group_save import PipelineContext, SaveJob
 from shoal.engine.handle import SaveHandle
 from shoal.engine.hoststate import (
     HostLock,
     RunRecord,
     claim_shared_run,
-    drop_leftover,
+    drop_superseded,
     find_leftovers,
     list_host_runs,
     log_foreign_runs,
@@ -52,7 +52,7 @@ from shoal.engine.protocol import Gate
 from shoal.engine.restore import Restore, RestoreContext
 from shoal.engine.staged import StagedIndex, delete_staged
 from shoal.engine.stager import Slot, SlotRing, StagedItem, StageEntry, stage_into
-from shoal.engine.store import list_checkpoints, read_pointer, resolve_manifest
+from shoal.engine.store import newest_reached, read_pointer, resolve_manifest
 from shoal.errors import (
     CheckpointExists,
     ConfigError,
@@ -67,7 +67,7 @@ from shoal.format.chunking import Hasher
 from shoal.format.manifest import Manifest
 from shoal.group.fabric import Board, Fabric
 from shoal.group.topology import topology_for_path
-from shoal.model.exposure import Exposure, ExposureTracker
+from shoal.model.exposure import Exposure
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
 from shoal.tiers.local import PosixTier
@@ -88,8 +88,8 @@ class Runtime:
     def __init__(self, config: Config, *, path_policy: PathPolicy | None = None) -> None:
         if not isinstance(config, Config):
             raise ConfigError(f"shoal needs a shoal.Config, got {type(config).__name__}")
-        self.exposure_tracker = ExposureTracker(start=monotonic())
-        """This process's rollback exposure (:mod:`shoal.model.exposure`): from when it was built."""
+        self.exposure_feed = ExposureFeed()
+        """This process's rollback exposure (:mod:`shoal.engine.exposure_feed`): from when it was built."""
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
@@ -149,16 +149,12 @@ class Runtime:
         self._ring = SlotRing(self.dram, cfg.dram_slots, prefix=f"r{self.rank}-{generation}-")
         self._leftovers = find_leftovers(self.dram, rank=self.rank, own=[s.name for s in self._ring.slots])
         for left in self._leftovers:
-            log.info(
-                "keeping step %s staged by an earlier process of this run (slab %s) until a newer "
-                "checkpoint reaches B4",
-                left.step,
-                left.slot,
-            )
+            log.info("keeping step %s staged by an earlier process of this run (slab %s) until a newer "
+                     "checkpoint reaches B4", left.step, left.slot)  # fmt: skip
         self.events = EventLog(cfg.event_log, host=self.host, rank=self.rank)
-        self.events.emit(
-            "opened", None, run=run, world_size=self.world_size, start=self.exposure_tracker.start
-        )
+        self.events.emit("opened", None, run=run, world_size=self.world_size, start=self.exposure_feed.start)
+        if self.rank == 0:
+            self.exposure_feed.log_to(self.events)
         fabric = Fabric.create(cfg.collective_timeout)
         context = self._pipeline_context(cfg, fabric, host_tier, replicate=replicate)
         if host_tier is not None and context.is_host_leader:
@@ -354,7 +350,7 @@ class Runtime:
             self.events.emit("skipped", step, in_flight=self._ring.in_flight_steps())
             return handle, None
         handle = SaveHandle(step, started=started)
-        handle.add_listener(partial(self._on_boundary, called))
+        self.exposure_feed.watch(handle, called)
         try:
             # The slot's staged index describes the checkpoint about to be overwritten: drop it
             # first, so that a crash mid-copy never leaves an index over half-new bytes.
@@ -382,7 +378,7 @@ class Runtime:
             raise
         self._warm_other_slots(slot)
         self.events.emit("staged", step, bytes=sum(s.nbytes for s in staged), wait_seconds=waited)
-        self.exposure_tracker.saved(step, called)
+        self.exposure_feed.saved(step, called)
         if gate is None:
             with self._lock:
                 self._staging[step] = job
@@ -393,24 +389,9 @@ class Runtime:
             self.watch(handle)
         return handle, staged
 
-    def _on_boundary(self, called: float, handle: SaveHandle, boundary: Boundary, seconds: float) -> None:
-        """A checkpoint reached ``boundary``: the exposure tracker learns it; the coordinator logs
-        every class's exposure then (an ``exposure`` event)."""
-        at = max(called + seconds, self.exposure_tracker.start)
-        self.exposure_tracker.reached(handle.step, int(boundary), at)
-        if self.rank == 0:
-            exposure = self.exposure_tracker.exposure(at)
-            self.events.emit(
-                "exposure",
-                handle.step,
-                boundary=boundary.name,
-                seconds=seconds,
-                classes=exposure.to_json()["classes"],
-            )
-
     def exposure(self, step: int | None = None) -> Exposure:
         """This process's rollback exposure now, per failure class (``step``: the current step)."""
-        return self.exposure_tracker.exposure(monotonic(), step)
+        return self.exposure_feed.exposure(step)
 
     def _warm_other_slots(self, slot: Slot) -> None:
         """Pre-fault the ring's other slabs in the background, sized like the one just used."""
@@ -497,13 +478,7 @@ class Runtime:
                 return
             doomed = [left for left in self._leftovers if left.step is None or left.step <= newest]
             self._leftovers = [left for left in self._leftovers if left not in doomed]
-        for left in doomed:
-            try:
-                drop_leftover(self.dram, left)
-                log.info("dropped step %s staged by an earlier process (slab %s): step %d is committed",
-                         left.step, left.slot, newest)  # fmt: skip
-            except ShoalError as e:
-                log.warning("could not drop the leftover slab %s: %s", left.slot, e)
+        drop_superseded(self.dram, doomed, newest)
 
     def new_gate(self, sequence: int, step: int) -> Gate:
         """The gate of the ``sequence``-th save through DCP directly (every rank counts alike)."""
@@ -582,15 +557,8 @@ class Runtime:
         """
         boundary = Boundary(boundary)
         steps = [s for s, h in self._pipeline.in_flight().items() if h.done(boundary)]
-        if boundary == Boundary.RESTARTABLE:
-            ptr = read_pointer(self.shared, layout.LATEST)
-            steps += [ptr.step] if ptr else []
-        steps += [
-            info.step
-            for info in list_checkpoints(self.shared)
-            if info.boundary is not None and info.boundary >= boundary
-        ]
-        return max(steps, default=None)
+        on_shared = newest_reached(self.shared, boundary)
+        return max([*steps, *([] if on_shared is None else [on_shared])], default=None)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every checkpoint this process staged is finished (or failed); False on timeout."""

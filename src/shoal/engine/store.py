@@ -90,6 +90,16 @@ def list_checkpoints(tier: Tier) -> list[CheckpointInfo]:
     return out
 
 
+def newest_reached(tier: Tier, boundary: Boundary) -> int | None:
+    """The newest step ``tier`` proves reached ``boundary`` (a manifest for B3, a commit record
+    for B4, and ``LATEST`` for B4), or None."""
+    steps = [i.step for i in list_checkpoints(tier) if i.boundary is not None and i.boundary >= boundary]
+    if boundary == Boundary.RESTARTABLE:
+        ptr = read_pointer(tier, layout.LATEST)
+        steps += [ptr.step] if ptr else []
+    return max(steps, default=None)
+
+
 def resolve_manifest(tier: Tier, step: int | None = None) -> Manifest:
     """The manifest to load: ``LATEST``'s when ``step`` is None, else that step's.
 
