@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from functools import partial
 from typing import Any
 
 from shoal.errors import (
@@ -307,37 +308,53 @@ class KVStore:
         """Read what ``tier`` holds of ``views``, in the calling thread; return what is still missing."""
         missing: dict[int, memoryview] = {}
         hits: list[str] = []
-        counters = self._counters[tier]
         for i, view in views.items():
             key = keys[i]
             if deadline is not None and time.monotonic() >= deadline:
                 results[i] = GetResult(key, "miss", reason="deadline")
                 continue
-            try:
-                found = read(key.digest, view)
-            except BufferSizeError as e:
-                results[i] = GetResult(key, "error", error=BlockSizeError(str(e), e.block_bytes))
-                continue
-            except (FormatError, ChecksumMismatch) as e:
-                self._drop_corrupt(key.digest, tier, e)
-                corrupt.add(i)
-                found = False
-            except (ShoalError, OSError) as e:
-                results[i] = GetResult(key, "error", error=tier_error(tier, key.digest, e))
-                continue
-            if found:
-                results[i] = GetResult(key, "hit", tier=tier, nbytes=view.nbytes)
-                counters.hits += 1
-                counters.bytes_read += view.nbytes
+            if self._take(tier, i, key, view, partial(read, key.digest, view), results, corrupt, missing):
                 hits.append(key.digest)
-                if tier != DRAM:
-                    self._writeback.promote(key.digest, bytes(view), tier)
-            else:
-                counters.misses += 1
-                missing[i] = view
         if tier == DRAM:
             self._pool.index.touch(hits)
         return missing
+
+    def _take(
+        self,
+        tier: str,
+        i: int,
+        key: BlockKey,
+        view: memoryview,
+        attempt: Callable[[], bool],
+        results: list[GetResult | None],
+        corrupt: set[int],
+        missing: dict[int, memoryview],
+    ) -> bool:
+        """One key's read from ``tier`` (``attempt`` fills ``view``, verified, or says it is absent):
+        its result on a hit or an error, into ``missing`` otherwise (a corrupt copy is dropped)."""
+        counters = self._counters[tier]
+        try:
+            found = attempt()
+        except BufferSizeError as e:
+            results[i] = GetResult(key, "error", error=BlockSizeError(str(e), e.block_bytes))
+            return False
+        except (FormatError, ChecksumMismatch) as e:
+            self._drop_corrupt(key.digest, tier, e)
+            corrupt.add(i)
+            found = False
+        except (ShoalError, OSError) as e:
+            results[i] = GetResult(key, "error", error=tier_error(tier, key.digest, e))
+            return False
+        if not found:
+            counters.misses += 1
+            missing[i] = view
+            return False
+        results[i] = GetResult(key, "hit", tier=tier, nbytes=view.nbytes)
+        counters.hits += 1
+        counters.bytes_read += view.nbytes
+        if tier != DRAM:
+            self._writeback.promote(key.digest, bytes(view), tier)
+        return True
 
     def _shared_pass(
         self,
@@ -357,41 +374,15 @@ class KVStore:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         wait_futures(list(futures.values()), timeout=timeout)
         missing: dict[int, memoryview] = {}
-        counters = self._counters[SHARED]
         for i, fut in futures.items():
             key, view = keys[i], views[i]
             if not fut.done():
                 fut.cancel()  # abandoned: it never touches the caller's buffer
                 results[i] = GetResult(key, "miss", reason="deadline")
                 continue
-            try:
-                payload = fut.result()
-            except (FormatError, ChecksumMismatch) as e:
-                self._drop_corrupt(key.digest, SHARED, e)
-                corrupt.add(i)
-                payload = None
-            except (ShoalError, OSError) as e:
-                results[i] = GetResult(key, "error", error=tier_error(SHARED, key.digest, e))
-                continue
-            if payload is None:
-                counters.misses += 1
-                missing[i] = view
-            elif payload.nbytes != view.nbytes:
-                results[i] = GetResult(
-                    key,
-                    "error",
-                    error=BlockSizeError(
-                        f"block {key.digest} on the shared tier is {payload.nbytes} bytes, the buffer is "
-                        f"{view.nbytes} bytes; pass a buffer of the block's size",
-                        payload.nbytes,
-                    ),
-                )
-            else:
-                view[:] = payload
-                results[i] = GetResult(key, "hit", tier=SHARED, nbytes=view.nbytes)
-                counters.hits += 1
-                counters.bytes_read += view.nbytes
-                self._writeback.promote(key.digest, bytes(payload), SHARED)
+            self._take(
+                SHARED, i, key, view, partial(_copy_fetched, fut, key, view), results, corrupt, missing
+            )
         return missing
 
     def _drop_corrupt(self, digest: str, tier: str, err: ShoalError) -> None:
@@ -577,3 +568,18 @@ class KVStore:
     def __repr__(self) -> str:
         tiers = [DRAM] + [t.name for t in self._lower]
         return f"KVStore({self._pool.root!r}, tiers={tiers})"
+
+
+def _copy_fetched(fut: Future[memoryview | None], key: BlockKey, view: memoryview) -> bool:
+    """A finished shared-tier fetch (verified there) into the caller's buffer; False if absent."""
+    payload = fut.result()
+    if payload is None:
+        return False
+    if payload.nbytes != view.nbytes:
+        raise BufferSizeError(
+            f"block {key.digest} on the shared tier is {payload.nbytes} bytes, the buffer is "
+            f"{view.nbytes} bytes; pass a buffer of the block's size",
+            payload.nbytes,
+        )
+    view[:] = payload
+    return True
