@@ -116,7 +116,7 @@ def test_a_dead_runs_namespaces_are_removed_at_the_next_start() -> None:
 def test_the_command_line_runs_a_command_on_every_host() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "shoal.testing.cluster", "--hosts", "2", "--", sys.executable, "-c",
-         "import os; print('on', os.environ['SHOAL_HOST_ID'])"],
+         "import os; os.write(1, f\"on {os.environ['SHOAL_HOST_ID']}\\n\".encode())"],
         capture_output=True, text=True, timeout=90, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
