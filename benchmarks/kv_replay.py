@@ -110,6 +110,21 @@ def _run_local(args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
     return results
 
 
+def byte_scale(args: argparse.Namespace) -> float:
+    """The byte scale factor in effect: the layout's block bytes / the block bytes here."""
+    full = replace(QWEN25_14B, tp=args.tp).block_bytes
+    return full / (args.block_bytes or max(64, full // args.scale))
+
+
+def link_mbit(args: argparse.Namespace) -> tuple[float, float]:
+    """The cluster's ``tc`` rates (host storage link, the S3's link) in mbit here, from the
+    full-scale GB/s: a link of B bytes/s at full scale moves 1/F of the bytes S times faster
+    here, so it is shaped to B x S / F (docs/kv_replay.md, "What the two scale factors preserve")."""
+    f = byte_scale(args)
+    here = [gbps * 1e9 * args.speedup / f * 8 / 1e6 for gbps in (args.shared_gbps, args.storage_gbps)]
+    return here[0], here[1]
+
+
 def _cpus(text: str | None) -> tuple[int, ...] | None:
     return None if text is None else tuple(int(c) for c in text.split(","))
 
@@ -121,11 +136,17 @@ def _run_cluster(args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
     why = cannot_run()
     if why:
         raise SystemExit(f"cannot run the emulated cluster: {why}")
+    host_mbit, storage_mbit = link_mbit(args)
+    print(
+        f"  cluster: the host's storage link {host_mbit:.1f} mbit here = {args.shared_gbps:g} GB/s at full "
+        f"scale; the S3's {storage_mbit:.1f} mbit = {args.storage_gbps:g} GB/s",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
     spec = ClusterSpec(
         hosts=2,
-        host_storage_mbit=args.host_storage_mbit,
+        host_storage_mbit=host_mbit,
         fabric_mbit=400.0,
-        storage_mbit=args.storage_mbit,
+        storage_mbit=storage_mbit,
         storage_cpus=_cpus(args.storage_cpus),
         job_cpus=_cpus(args.job_cpus),
     )
@@ -260,15 +281,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--block-bytes", type=int, default=0, help="override the scaled block size (bytes)")
     ap.add_argument("--dram-blocks", type=int, default=8192, help="the host's DRAM pool, in blocks")
     ap.add_argument(
-        "--local-blocks", type=int, default=16384, help="shoal's local tier on the cluster, in blocks"
+        "--local-blocks", type=int, default=131072, help="shoal's local tier on the cluster, in blocks"
     )
     ap.add_argument("--instances", type=int, default=8, help="serving instances (processes) on the host")
     ap.add_argument("--high-water", type=float, default=1.0, help="shoal's KVConfig.high_water")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--storage", default="local", help="local, cluster, or local,cluster")
     ap.add_argument("--dram-dir", default="/dev/shm")
-    ap.add_argument("--host-storage-mbit", type=float, default=200.0)
-    ap.add_argument("--storage-mbit", type=float, default=300.0)
+    ap.add_argument(
+        "--shared-gbps", type=float, default=10.0,
+        help="cluster: the serving host's link to the shared storage, GB/s at full scale",
+    )  # fmt: skip
+    ap.add_argument(
+        "--storage-gbps", type=float, default=16.0,
+        help="cluster: what the shared storage serves in all (the host and the other tenant), GB/s at full scale",
+    )  # fmt: skip
     ap.add_argument(
         "--storage-cpus", default=None, help="CPUs (comma-separated) for the S3 server and the tenant"
     )

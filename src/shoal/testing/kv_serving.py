@@ -59,6 +59,7 @@ POLICIES = ("recompute", "perkey", "shoal")
 MAX_PUTS_IN_FLIGHT = 4
 """Requests whose new blocks may wait for the writer thread before the instance itself waits."""
 _CHECK = 32
+_WARM = "warm-up-" + "0" * 56
 """The first bytes of a block are its key's prefix hash: a fetched block is checked to be the right one."""
 
 
@@ -135,12 +136,20 @@ class ServingConfig:
 class Policy(Protocol):
     """How an instance finds and keeps KV blocks. Called by one instance's threads only."""
 
+    lookup_s: float
+    """Seconds the last :meth:`fetch` spent finding the prefix (0 where it is not a step of its own)."""
+
     def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
         """Read the longest stored prefix of ``keys``; the tier each of its blocks came from."""
         ...
 
     def store(self, keys: Sequence[BlockKey]) -> None:
         """Keep the request's new blocks (called on the writer thread)."""
+        ...
+
+    def warm(self) -> None:
+        """Connect to the storage before the replay starts (a server does it at start-up, not on
+        its first request: an S3 client's first call builds its session, about a second here)."""
         ...
 
     def stats(self) -> dict[str, Any]: ...
@@ -160,10 +169,15 @@ def _right_block(key: BlockKey, data: bytes | bytearray | memoryview) -> bool:
 class Recompute:
     """Never fetches, never stores: every prefill computes the whole prompt."""
 
+    lookup_s = 0.0
+
     def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
         return []
 
     def store(self, keys: Sequence[BlockKey]) -> None:
+        return None
+
+    def warm(self) -> None:
         return None
 
     def stats(self) -> dict[str, Any]:
@@ -185,6 +199,7 @@ class PerKeyFallback:
         self.block_bytes = block_bytes
         self._lru: OrderedDict[str, bytes] = OrderedDict()
         self._lock = threading.Lock()
+        self.lookup_s = 0.0
         self.counts = {"reads": 0, "writes": 0, "misses": 0, "wrong": 0, "errors": 0, "write_errors": 0}
 
     def _keep(self, digest: str, data: bytes) -> None:
@@ -233,6 +248,9 @@ class PerKeyFallback:
                 continue
             self.counts["writes"] += 1
 
+    def warm(self) -> None:
+        self.tier.exists(_WARM)
+
     def stats(self) -> dict[str, Any]:
         return dict(self.counts)
 
@@ -250,10 +268,13 @@ class ShoalPolicy:
         self.base = base
         self.block_bytes = block_bytes
         self._buffers: list[bytearray] = []
+        self.lookup_s = 0.0
         self.counts = {"wrong": 0, "errors": 0, "put_errors": 0}
 
     def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
+        t = time.monotonic()
         k = self.store_.lookup_prefix(keys)
+        self.lookup_s = time.monotonic() - t
         while len(self._buffers) < k:
             self._buffers.append(bytearray(self.block_bytes))
         results = self.store_.get_batch_into(keys[:k], self._buffers[:k])
@@ -272,6 +293,9 @@ class ShoalPolicy:
         blocks = [block_bytes_for(key, self.base) for key in keys]
         for r in self.store_.put_batch(keys, blocks):
             self.counts["put_errors"] += r.error is not None
+
+    def warm(self) -> None:
+        self.store_.contains(BlockKey("warm-up", 0, b"\0" * 32))
 
     def stats(self) -> dict[str, Any]:
         s = self.store_.stats()
@@ -373,6 +397,7 @@ def serve_request(
         "arrival": arrival,
         "queue": start - arrival,
         "fetch": fetched - start,
+        "lookup": policy.lookup_s,
         "prefill": done - fetched,
         "ttft": done - arrival,
         "blocks": acct.blocks,
@@ -424,6 +449,7 @@ def replay_instance(rank: int, world: int, *, config: Mapping[str, Any]) -> dict
     mine = reqs[rank::world]
     policy = make_policy(cfg, world)
     try:
+        policy.warm()
         start = [time.monotonic() + cfg.start_delay_s]
         dist.broadcast_object_list(start, src=0)
         out = serve_requests(mine, policy, cfg, float(start[0]), reqs[0].timestamp_ms)
@@ -472,8 +498,8 @@ def summarize(
             "p99": _percentile(ttft, 0.99),
         },
         "parts": {
-            k: statistics.fmean(r[k] * s for r in records) if records else 0.0
-            for k in ("queue", "fetch", "prefill")
+            k: statistics.fmean(r.get(k, 0.0) * s for r in records) if records else 0.0
+            for k in ("queue", "fetch", "lookup", "prefill")
         },
         "blocks": blocks,
         "hit_ratio": {t: n / blocks for t, n in sorted(per_tier.items())} if blocks else {},
