@@ -34,8 +34,16 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-from shoal.testing.kv_serving import POLICIES, QWEN25_14B, ServingConfig, replay_instance, summarize
-from shoal.testing.kv_trace import TraceError, load_trace, prefix_chains, simulate_lru, trace_summary, window
+from shoal.testing.kv_serving import (
+    POLICIES,
+    QWEN25_14B,
+    ModelLayout,
+    ServingConfig,
+    replay_instance,
+    scaled_link_mbit,
+    summarize,
+)
+from shoal.testing.kv_trace import BLOCK_TOKENS, TraceError, load_trace, prefix_chains, simulate_lru, trace_summary, window
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRACE = os.path.join(HERE, "data", "mooncake", "conversation_trace.jsonl")
@@ -53,7 +61,7 @@ PER_TOKEN_S = 2 * QWEN25_14B_PARAMS / (ACCEL_FLOPS * MFU)
 
 def _configs(args: argparse.Namespace, storage: str, root: str) -> list[ServingConfig]:
     """One ServingConfig per policy for ``storage``, each with its own fresh roots."""
-    layout = replace(QWEN25_14B, tp=args.tp)
+    layout = _layout(args)
     block = args.block_bytes or max(64, layout.block_bytes // args.scale)
     out = []
     for policy in args.policies.split(","):
@@ -68,6 +76,7 @@ def _configs(args: argparse.Namespace, storage: str, root: str) -> list[ServingC
             dram_blocks=args.dram_blocks,
             namespace=layout.namespace,
             dram_root=os.path.join(args.dram_dir, f"shoal-kvreplay-{os.getpid()}", run),
+            block_tokens=args.block_tokens,
             high_water=args.high_water,
         )
         if storage == "local":
@@ -110,19 +119,16 @@ def _run_local(args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
     return results
 
 
-def byte_scale(args: argparse.Namespace) -> float:
-    """The byte scale factor in effect: the layout's block bytes / the block bytes here."""
-    full = replace(QWEN25_14B, tp=args.tp).block_bytes
-    return full / (args.block_bytes or max(64, full // args.scale))
+def _layout(args: argparse.Namespace) -> ModelLayout:
+    return replace(QWEN25_14B, tp=args.tp, block_tokens=args.block_tokens)
 
 
 def link_mbit(args: argparse.Namespace) -> tuple[float, float]:
-    """The cluster's ``tc`` rates (host storage link, the S3's link) in mbit here, from the
-    full-scale GB/s: a link of B bytes/s at full scale moves 1/F of the bytes S times faster
-    here, so it is shaped to B x S / F (docs/kv_replay.md, "What the two scale factors preserve")."""
-    f = byte_scale(args)
-    here = [gbps * 1e9 * args.speedup / f * 8 / 1e6 for gbps in (args.shared_gbps, args.storage_gbps)]
-    return here[0], here[1]
+    """The cluster's ``tc`` rates (the host's storage link, the S3's link), mbit/s here."""
+    full = _layout(args).block_bytes
+    scale = full / (args.block_bytes or max(64, full // args.scale))
+    host = scaled_link_mbit(args.shared_gbps, args.speedup, scale)
+    return host, scaled_link_mbit(args.storage_gbps, args.speedup, scale)
 
 
 def _cpus(text: str | None) -> tuple[int, ...] | None:
@@ -182,11 +188,12 @@ def _clean(cfg: ServingConfig) -> None:
 def report(saved: dict[str, Any]) -> dict[str, Any]:
     """Summaries per storage and policy, shoal's gains and the LRU check, from saved raw results."""
     args = saved["args"]
-    full_block = replace(QWEN25_14B, tp=args["tp"]).block_bytes
+    tokens = args.get("block_tokens", BLOCK_TOKENS)
+    full_block = replace(QWEN25_14B, tp=args["tp"], block_tokens=tokens).block_bytes
     out: dict[str, Any] = {"storages": {}}
     for storage, runs in saved["results"].items():
         first = ServingConfig(**runs[0]["config"])
-        reqs = window(load_trace(first.trace), first.minutes)
+        reqs = window(load_trace(first.trace, block_tokens=first.block_tokens), first.minutes)
         chains = prefix_chains(reqs)
         rows = {}
         for run in runs:
@@ -276,6 +283,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--per-token-ms", type=float, default=PER_TOKEN_S * 1000, help="prefill ms per uncached token"
     )
+    ap.add_argument(
+        "--block-tokens", type=int, default=BLOCK_TOKENS, help="tokens per block of the trace (per hash_id)"
+    )
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per instance (bytes per rank)")
     ap.add_argument("--scale", type=int, default=1536, help="block bytes here = the layout's / this")
     ap.add_argument("--block-bytes", type=int, default=0, help="override the scaled block size (bytes)")
@@ -310,6 +320,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     for p in args.policies.split(","):
         if p not in POLICIES:
             ap.error(f"--policies: unknown policy {p!r}; choose from {','.join(POLICIES)}")
+    if args.block_tokens < 1:
+        ap.error(f"--block-tokens must be >= 1, got {args.block_tokens}")
     for s in args.storage.split(","):
         if s not in ("local", "cluster"):
             ap.error(f"--storage: unknown storage {s!r}; choose local, cluster or local,cluster")
@@ -323,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             saved = json.load(f)
     else:
         try:
-            window(load_trace(args.trace), args.minutes)  # a bad trace fails here, naming the line
+            # a bad trace fails here, naming the line
+            window(load_trace(args.trace, block_tokens=args.block_tokens), args.minutes)
         except TraceError as e:
             print(f"kv_replay: {e}", file=sys.stderr)
             return 2

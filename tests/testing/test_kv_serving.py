@@ -18,6 +18,7 @@ from shoal.testing.kv_serving import (
     ServingConfig,
     ShoalPolicy,
     make_policy,
+    scaled_link_mbit,
     serve_requests,
     summarize,
 )
@@ -26,7 +27,7 @@ from shoal.testing.kv_trace import load_trace, prefix_chains, simulate_lru
 BLOCK = 4096
 
 
-def _trace(path: Path, seed: int = 1, requests: int = 60) -> str:
+def _trace(path: Path, seed: int = 1, requests: int = 60, block_tokens: int = 512) -> str:
     """Conversations that grow turn by turn (each turn's prompt extends the last), some sharing a
     system prompt: the reuse a conversation trace has."""
     rng = random.Random(seed)
@@ -38,7 +39,7 @@ def _trace(path: Path, seed: int = 1, requests: int = 60) -> str:
             conv.append(next_id)
             next_id += 1
         ids = [1, 2, *conv] if i % 3 else list(conv)
-        tokens = 512 * len(ids) - rng.randrange(400)
+        tokens = block_tokens * len(ids) - rng.randrange(block_tokens * 25 // 32)
         lines.append({"timestamp": 10 * i, "input_length": tokens, "output_length": 5, "hash_ids": ids})
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return str(path)
@@ -61,7 +62,7 @@ def _config(tmp_path: Path, trace: str, policy: str, **kw: Any) -> ServingConfig
 
 
 def _replay(cfg: ServingConfig, instances: int = 1) -> dict[str, Any]:
-    reqs = load_trace(cfg.trace)
+    reqs = load_trace(cfg.trace, block_tokens=cfg.block_tokens)
     policy = make_policy(cfg, instances)
     try:
         return serve_requests(reqs, policy, cfg, t0=0.0, origin_ms=reqs[0].timestamp_ms)
@@ -178,3 +179,27 @@ def test_shoal_overlapping_puts_still_stores_every_block(tmp_path: Path) -> None
         assert policy.store_.stats().tiers["dram"].blocks == distinct
     finally:
         policy.close()
+
+
+def test_a_trace_of_other_block_sizes_is_replayed_with_its_own_tokens_per_block(tmp_path: Path) -> None:
+    trace = _trace(tmp_path / "t.jsonl", seed=5, block_tokens=64)
+    with pytest.raises(ShoalError, match="ceil"):
+        load_trace(trace)  # read as 512-token blocks, its hash_ids do not add up: refused, naming the line
+    cfg = _config(tmp_path, trace, "shoal", dram_blocks=4, local_root=str(tmp_path / "local"), block_tokens=64)
+    out = _replay(cfg)
+    reqs = load_trace(trace, block_tokens=64)
+    sim = simulate_lru(prefix_chains(reqs), 4, backed=True)
+    assert [sum(r["fetched"].values()) for r in out["records"]] == sim.prefix
+    for req, r in zip(reqs, out["records"], strict=True):
+        assert r["uncached_tokens"] == max(0, req.input_length - 64 * sum(r["fetched"].values()))
+    with pytest.raises(ShoalError, match="block_tokens"):
+        replace(cfg, block_tokens=0)
+
+
+def test_a_full_scale_link_is_shaped_to_its_bandwidth_times_speedup_over_the_byte_scale() -> None:
+    # 10 GB/s at full scale, 96 MiB blocks stored as 64 KiB (scale 1536), the trace's own clock:
+    # 10e9 / 1536 B/s = 52.1 mbit/s; ten times faster, ten times the rate.
+    assert scaled_link_mbit(10.0, 1.0, 1536) == pytest.approx(52.083, rel=1e-4)
+    assert scaled_link_mbit(10.0, 10.0, 1536) == pytest.approx(520.83, rel=1e-4)
+    with pytest.raises(ShoalError, match="byte_scale"):
+        scaled_link_mbit(10.0, 1.0, 0)

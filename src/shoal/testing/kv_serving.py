@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from shoal.errors import ConfigError, MissingFile, ShoalError
 from shoal.kv import DRAM, SHARED, BlockKey, KVConfig, KVStore, chain_keys, namespace_for
 from shoal.kv.pool import physical_bytes
-from shoal.testing.kv_trace import TraceRequest, account, load_trace, window
+from shoal.testing.kv_trace import BLOCK_TOKENS, TraceRequest, account, load_trace, window
 from shoal.tiers import Tier, open_tier
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "ShoalPolicy",
     "make_policy",
     "replay_instance",
+    "scaled_link_mbit",
     "serve_requests",
     "summarize",
 ]
@@ -72,7 +73,7 @@ class ModelLayout:
     kv_heads: int
     head_dim: int
     dtype_bytes: int
-    block_tokens: int = 512
+    block_tokens: int = BLOCK_TOKENS
     tp: int = 1
 
     @property
@@ -111,6 +112,8 @@ class ServingConfig:
     dram_blocks: int
     namespace: str
     dram_root: str
+    block_tokens: int = BLOCK_TOKENS
+    """Tokens per block of the trace (one ``hash_ids`` entry each)."""
     local_root: str | None = None
     local_blocks: int | None = None
     shared_url: str | None = None
@@ -126,11 +129,26 @@ class ServingConfig:
         for name in ("speedup", "per_token_s", "minutes"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"ServingConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int) or self.block_tokens < 1:
+            raise ConfigError(f"ServingConfig.block_tokens must be an int >= 1, got {self.block_tokens!r}")
         if self.block_bytes < _CHECK or self.dram_blocks < 0:
             raise ConfigError(
                 f"ServingConfig: block_bytes must be >= {_CHECK} and dram_blocks >= 0, "
                 f"got {self.block_bytes} and {self.dram_blocks}"
             )
+
+
+def scaled_link_mbit(full_scale_gbps: float, speedup: float, byte_scale: float) -> float:
+    """The ``tc`` rate (mbit/s here) of a link that moves ``full_scale_gbps`` GB/s at full scale.
+
+    The replay moves 1 / ``byte_scale`` of the bytes, ``speedup`` times faster than the trace's
+    clock, and reads its times back multiplied by ``speedup``: a link of B bytes/s at full scale
+    is B x speedup / byte_scale bytes/s here (docs/kv_replay.md, "What the two scale factors
+    preserve")."""
+    for name, v in (("full_scale_gbps", full_scale_gbps), ("speedup", speedup), ("byte_scale", byte_scale)):
+        if not v > 0:
+            raise ConfigError(f"scaled_link_mbit: {name} must be > 0, got {v!r}")
+    return full_scale_gbps * 1e9 * speedup / byte_scale * 8 / 1e6
 
 
 class Policy(Protocol):
@@ -389,7 +407,7 @@ def serve_request(
     start = time.monotonic()
     tiers = policy.fetch(keys)
     fetched = time.monotonic()
-    acct = account(req, tiers)
+    acct = account(req, tiers, block_tokens=cfg.block_tokens)
     time.sleep(acct.uncached_tokens * cfg.per_token_s / cfg.speedup)
     done = time.monotonic()
     return {
@@ -445,7 +463,7 @@ def replay_instance(rank: int, world: int, *, config: Mapping[str, Any]) -> dict
         from shoal.testing.cluster_bench import prepare_bucket
 
         prepare_bucket(rank, cfg.shared_url.removeprefix("s3://").split("/", 1)[0])
-    reqs = window(load_trace(cfg.trace), cfg.minutes)
+    reqs = window(load_trace(cfg.trace, block_tokens=cfg.block_tokens), cfg.minutes)
     mine = reqs[rank::world]
     policy = make_policy(cfg, world)
     try:
