@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,38 @@ def test_events_and_stats_describe_what_happened(shm_path: Path) -> None:
         assert stats.tiers["dram"].bytes_read == 2 * BLOCK and stats.tiers["dram"].bytes_written == 2 * BLOCK
     stored = [e for e in events if e.kind == "stored"]
     assert [e.key for e in stored] == ks and all(e.tier == "dram" and e.nbytes == BLOCK for e in stored)
+
+
+def test_stats_count_every_hit_of_concurrent_callers_and_promotions(shm_path: Path, tmp_path: Path) -> None:
+    # Four threads read while the write-back thread promotes local hits into DRAM and evicts:
+    # the per-tier counters are bumped from all of them and must add up to the results returned.
+    cfg = KVConfig(str(shm_path / "pool"), 4 * PHYS, local_root=str(tmp_path / "local"), high_water=1.0)
+    ks = keys(12)
+    returned: dict[str, int] = {"dram": 0, "local": 0}
+    lock = threading.Lock()
+    with KVStore(cfg) as store:
+        store.put_batch(ks, [payload(i) for i in range(len(ks))])
+        store.flush(60)
+
+        def reader(seed: int) -> None:
+            order = ks[seed:] + ks[:seed]
+            for _ in range(15):
+                for r in store.get_batch_into(order, [bytearray(BLOCK) for _ in order]):
+                    assert r.status == "hit"
+                    with lock:
+                        returned[r.tier or "?"] += 1
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        store.flush(60)
+        stats = store.stats()
+    assert returned["dram"] + returned["local"] == 4 * 15 * len(ks)
+    assert stats.tiers["dram"].hits == returned["dram"] and stats.tiers["local"].hits == returned["local"]
+    assert stats.tiers["dram"].bytes_read == returned["dram"] * BLOCK
+    assert stats.tiers["local"].misses == 0
 
 
 def test_a_closed_store_refuses_calls(shm_path: Path) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -99,12 +100,25 @@ _SHARED_THREADS = 8
 
 
 class _Counters:
-    """This store's traffic on one tier."""
+    """This store's traffic on one tier. Bumped by the caller's threads and the write-back
+    thread (promotions, evictions), so every change holds the lock."""
 
-    __slots__ = ("bytes_read", "bytes_written", "hits", "misses")
+    __slots__ = ("_lock", "bytes_read", "bytes_written", "hits", "misses")
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self.hits = self.misses = self.bytes_read = self.bytes_written = 0
+
+    def add(self, *, hits: int = 0, misses: int = 0, bytes_read: int = 0, bytes_written: int = 0) -> None:
+        with self._lock:
+            self.hits += hits
+            self.misses += misses
+            self.bytes_read += bytes_read
+            self.bytes_written += bytes_written
+
+    def snapshot(self) -> tuple[int, int, int, int]:
+        with self._lock:
+            return self.hits, self.misses, self.bytes_read, self.bytes_written
 
 
 class KVStore:
@@ -127,6 +141,7 @@ class KVStore:
         self._listeners: list[Callable[[KVEvent], None]] = []
         self._counters = {name: _Counters() for name in (DRAM, LOCAL, SHARED)}
         self._corrupt = 0
+        self._corrupt_lock = threading.Lock()
         self._keys: OrderedDict[str, BlockKey] = OrderedDict()
         self._readers: ThreadPoolExecutor | None = None
         self._closed = False
@@ -228,7 +243,7 @@ class KVStore:
         except (ShoalError, OSError) as e:
             self._pool.index.release([digest], states=(WRITING,))
             return False, None, tier_error(DRAM, digest, e)
-        self._counters[DRAM].bytes_written += view.nbytes
+        self._counters[DRAM].add(bytes_written=view.nbytes)
         return True, DRAM, None
 
     def _overflow(
@@ -254,7 +269,7 @@ class KVStore:
             tier.write(digest, encode_header(digest, view), view)
         except (ShoalError, OSError) as e:
             return False, None, tier_error(tier.name, digest, e)
-        self._counters[tier.name].bytes_written += view.nbytes
+        self._counters[tier.name].add(bytes_written=view.nbytes)
         self._emit("stored", digest, tier.name, view.nbytes)
         return True, tier.name, None
 
@@ -346,12 +361,11 @@ class KVStore:
             results[i] = GetResult(key, "error", error=tier_error(tier, key.digest, e))
             return False
         if not found:
-            counters.misses += 1
+            counters.add(misses=1)
             missing[i] = view
             return False
         results[i] = GetResult(key, "hit", tier=tier, nbytes=view.nbytes)
-        counters.hits += 1
-        counters.bytes_read += view.nbytes
+        counters.add(hits=1, bytes_read=view.nbytes)
         if tier != DRAM:
             self._writeback.promote(key.digest, bytes(view), tier)
         return True
@@ -388,7 +402,8 @@ class KVStore:
     def _drop_corrupt(self, digest: str, tier: str, err: ShoalError) -> None:
         """A torn or corrupt copy: never served; deleted (so a good copy can replace it) and reported."""
         log.warning("KV store: %s copy of block %s is corrupt, deleted: %s", tier, digest, err)
-        self._corrupt += 1
+        with self._corrupt_lock:
+            self._corrupt += 1
         try:
             if tier == DRAM:
                 self._pool.unlink(digest)
@@ -512,7 +527,7 @@ class KVStore:
 
     def _emit(self, kind: str, digest: str, tier: str, nbytes: int) -> None:
         if kind == "written_back":
-            self._counters[tier].bytes_written += nbytes
+            self._counters[tier].add(bytes_written=nbytes)
         if not self._listeners:
             return
         event = KVEvent(kind, self._keys.get(digest), tier, nbytes, time.monotonic(), digest)  # type: ignore[arg-type]
@@ -534,8 +549,7 @@ class KVStore:
             contents[SHARED] = (None, None, None)
         tiers = {}
         for name, (blocks, used, cap) in contents.items():
-            c = self._counters[name]
-            tiers[name] = TierStats(blocks, used, cap, c.hits, c.misses, c.bytes_read, c.bytes_written)
+            tiers[name] = TierStats(blocks, used, cap, *self._counters[name].snapshot())
         return KVStats(tiers, self._writeback.pending(), self._corrupt)
 
     def flush(self, timeout: float | None = None) -> None:
