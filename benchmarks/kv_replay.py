@@ -78,6 +78,7 @@ def _configs(args: argparse.Namespace, storage: str, root: str) -> list[ServingC
             dram_root=os.path.join(args.dram_dir, f"shoal-kvreplay-{os.getpid()}", run),
             block_tokens=args.block_tokens,
             high_water=args.high_water,
+            shared_lookup=args.shared_lookup,
         )
         if storage == "local":
             if policy == "shoal":
@@ -295,6 +296,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--instances", type=int, default=8, help="serving instances (processes) on the host")
     ap.add_argument("--high-water", type=float, default=1.0, help="shoal's KVConfig.high_water")
+    ap.add_argument(
+        "--shared-lookup", choices=("ask", "host"), default="host",
+        help="shoal's KVConfig.shared_lookup (one serving host: its index knows what it wrote)",
+    )  # fmt: skip
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--storage", default="local", help="local, cluster, or local,cluster")
     ap.add_argument("--dram-dir", default="/dev/shm")

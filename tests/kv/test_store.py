@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,44 @@ def test_lookup_prefix_asks_the_shared_tier_once_for_a_new_tail(
         asked.clear()
         assert store.lookup_prefix(ks) == 3  # the host holds 3; the 37 keys after them: one question
         assert asked == [ks[3].digest]
+
+
+def test_shared_lookup_host_answers_from_what_this_host_wrote_without_asking(
+    shm_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shoal.kv.lower import SharedBlocks
+
+    asked: list[str] = []
+    real = SharedBlocks.exists
+
+    def counting(self: SharedBlocks, digest: str) -> bool:
+        asked.append(digest)
+        return real(self, digest)
+
+    monkeypatch.setattr(SharedBlocks, "exists", counting)
+    shared = str(tmp_path / "s")
+    ks = keys(10)
+    # Another host (its own pool and index) wrote ks[6:8] back to the shared tier.
+    with KVStore(KVConfig(str(shm_path / "other"), PHYS, shared_url=shared, high_water=1.0)) as other:
+        for i in range(6, 9):  # each put evicts the one before: ks[6] and ks[7] go to the shared tier
+            other.put_batch([ks[i]], [payload(i)])
+            other.flush(60)
+    cfg = KVConfig(str(shm_path / "pool"), 2 * PHYS, shared_url=shared, high_water=1.0, shared_lookup="host")
+    with KVStore(cfg) as store:
+        store.put_batch(ks[:6], [payload(i) for i in range(6)])  # a 2-block pool: 4 written back to shared
+        store.flush(60)
+        asked.clear()
+        assert store.lookup_prefix(ks) == 6 and asked == []  # no round trip to the shared tier
+        assert {store.contains(k) for k in ks[:6]} == {"dram", "shared"} and asked == []
+        assert store.lookup_prefix(ks[6:]) == 0 and store.contains(ks[6]) is None  # not this host's
+        with KVStore(replace(cfg, shared_lookup="ask")) as asking:  # the same host, asking
+            assert asking.lookup_prefix(ks[6:]) == 2 and asked
+        bufs = [bytearray(BLOCK) for _ in range(6)]
+        results = store.get_batch_into(ks[:6], bufs)
+        assert [r.status for r in results] == ["hit"] * 6
+        assert all(bytes(b) == payload(i) for i, b in enumerate(bufs))
+        assert store.remove([ks[1]]) == 1
+        assert store.lookup_prefix(ks) == 1  # a deleted block is forgotten
 
 
 def test_remove_takes_a_block_from_every_tier(shm_path: Path, tmp_path: Path) -> None:

@@ -3,7 +3,8 @@ process of this user on the host.
 
 Tables: ``blocks`` (the DRAM pool: digest, payload size, physical bytes, state, owner pid, last
 access, which lower tier holds a copy), ``local`` (the local tier's blocks, for its capacity),
-``leases`` (pins: digest, owner pid, expiry) and ``meta`` (format version, capacity, the running
+``leases`` (pins: digest, owner pid, expiry), ``shared`` (the blocks this host's stores wrote to
+the shared tier and did not delete: what ``KVConfig.shared_lookup="host"`` answers from) and ``meta`` (format version, capacity, the running
 byte totals). Every change is one ``BEGIN IMMEDIATE`` transaction, so reservations from several
 processes are serialised by sqlite's write lock and the totals never pass the capacity.
 
@@ -46,6 +47,7 @@ CREATE TABLE IF NOT EXISTS leases(id TEXT NOT NULL, digest TEXT NOT NULL, owner 
     expiry REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS leases_digest ON leases(digest);
 CREATE INDEX IF NOT EXISTS leases_id ON leases(id);
+CREATE TABLE IF NOT EXISTS shared(digest TEXT PRIMARY KEY);
 """
 _UNPINNED = "NOT EXISTS (SELECT 1 FROM leases l WHERE l.digest = {t}.digest AND l.expiry > ?)"
 
@@ -332,6 +334,20 @@ class BlockIndex:
                     c.execute("DELETE FROM local WHERE digest = ?", (d,))
                     freed += int(row[0])
             _set_meta(c, "local_used", _meta(c, "local_used") - freed)
+
+    # -- what this host wrote to the shared tier ----------------------------------------------
+
+    def shared_note(self, digest: str) -> None:
+        """Record a block this host's store wrote to the shared tier (after the write returned)."""
+        with self.transaction() as c:
+            c.execute("INSERT OR IGNORE INTO shared(digest) VALUES (?)", (digest,))
+
+    def shared_forget(self, digest: str) -> None:
+        with self.transaction() as c:
+            c.execute("DELETE FROM shared WHERE digest = ?", (digest,))
+
+    def shared_has(self, digest: str) -> bool:
+        return bool(self._read("SELECT 1 FROM shared WHERE digest = ?", (digest,)))
 
     # -- rebuild and sweep ------------------------------------------------------------------
 

@@ -47,6 +47,12 @@ class KVConfig:
     """Background eviction starts when the pool is fuller than this fraction of ``dram_bytes``."""
     lease_s: float = 30.0
     """The default length of a :meth:`~shoal.kv.store.KVStore.pin` lease in seconds."""
+    shared_lookup: str = "ask"
+    """How ``lookup_prefix`` and ``contains`` learn what the shared tier holds beyond the host's
+    tiers. ``"ask"``: they ask it (one round trip for a request's new tail; finds blocks any host
+    stored there). ``"host"``: the host's index answers alone, from the blocks this host's stores
+    wrote to the shared tier (no round trip on the lookup path; blocks other hosts stored, or
+    stored before the index was rebuilt, are not found). Reads of a key asked for are the same."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.dram_root, str) or not self.dram_root:
@@ -65,6 +71,8 @@ class KVConfig:
             raise ConfigError(f"KVConfig.high_water must be in (0, 1], got {self.high_water!r}")
         if not self.lease_s > 0:
             raise ConfigError(f"KVConfig.lease_s must be positive seconds, got {self.lease_s!r}")
+        if self.shared_lookup not in ("ask", "host"):
+            raise ConfigError(f"KVConfig.shared_lookup must be 'ask' or 'host', got {self.shared_lookup!r}")
 
 
 class BlockSizeError(ConfigError):

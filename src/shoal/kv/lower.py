@@ -180,6 +180,8 @@ class SharedBlocks(_BlocksOnTier):
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.tier = FsspecTier.from_url(url, storage_options)
+        self.index: BlockIndex | None = None
+        """The host's index: told of every block written and deleted here (``shared_lookup="host"``)."""
 
     def where(self, digest: str) -> str:
         return f"{self.tier.url}/{block_path(digest)}"
@@ -187,6 +189,17 @@ class SharedBlocks(_BlocksOnTier):
     def write(self, digest: str, header: bytes, payload: memoryview) -> None:
         failpoints.hit(FP_SHARED_WRITE, rank=failpoints.process_rank())
         self.tier.write(block_path(digest), [header, payload])
+        if self.index is not None:
+            self.index.shared_note(digest)
+
+    def delete(self, digest: str) -> bool:
+        if self.index is not None:
+            self.index.shared_forget(digest)  # first: the host never answers for a block being deleted
+        return super().delete(digest)
+
+    def known(self, digest: str) -> bool:
+        """Whether this host's stores wrote the block here (and did not delete it): no round trip."""
+        return self.index is not None and self.index.shared_has(digest)
 
     def fetch(self, digest: str) -> memoryview | None:
         """The verified payload, or None if absent; raises for a corrupt block or a failing tier."""

@@ -22,6 +22,10 @@ reports per key instead of raising on a miss:
   and never exceeded. Above ``high_water`` a background thread evicts down to it, writing back to
   the next tier, so that a put rarely waits for a write-back; where there is nothing to write back
   to (no lower tier, or ``writeback=False``) blocks are dropped only when a put needs the room.
+* :meth:`KVStore.lookup_prefix` and :meth:`KVStore.contains` answer from the host's index for
+  DRAM and local disk; past them they ask the shared tier (``KVConfig.shared_lookup="ask"``, one
+  round trip for a request's new tail), or, with ``"host"``, answer from the index's record of the
+  blocks this host wrote there, with no round trip on the lookup path.
 
 Events (``stored``, ``evicted``, ``written_back``, ``corrupt``, ``removed``) go to the listeners
 of the store that saw them, on the thread that saw them (the caller's or the write-back thread).
@@ -133,6 +137,8 @@ class KVStore:
             config.dram_root, config.dram_bytes, self._local.scan if self._local is not None else None
         )
         self._shared = SharedBlocks(config.shared_url, config.storage_options) if config.shared_url else None
+        if self._shared is not None:
+            self._shared.index = self._pool.index
         if self._local is not None:
             self._local.index = self._pool.index
             if self._shared is not None and config.writeback:
@@ -430,7 +436,7 @@ class KVStore:
             return DRAM
         for tier in self._lower:
             try:
-                if tier.exists(key.digest):
+                if self._lower_has(tier, key.digest):
                     return tier.name
             except (ShoalError, OSError) as e:
                 log.warning(
@@ -468,8 +474,12 @@ class KVStore:
             host = self._pool.exists(key.digest) or (
                 self._local is not None and self._local.exists(key.digest)
             )
-            return host or shared.exists(key.digest)
+            return host or self._lower_has(shared, key.digest)
 
+        if self.config.shared_lookup == "host":  # the host's index answers: no round trips to batch
+            while n < len(keys) and anywhere(keys[n]):
+                n += 1
+            return n
         # Galloping windows: the first key past the host's prefix is asked alone (the common case,
         # a request's new tail, costs one request to the shared tier), then 2, 4 ... up to 16 keys
         # in parallel while every key asked was there.
@@ -481,6 +491,14 @@ class KVStore:
                 n += 1
             window = min(2 * window, _SHARED_LOOKUP_WINDOW)
         return n
+
+    def _lower_has(self, tier: LowerTier, digest: str) -> bool:
+        """Whether a lower tier holds the block: the shared tier is asked, or with
+        ``shared_lookup="host"`` the host's record of what it wrote there answers."""
+        shared = self._shared
+        if shared is not None and tier is shared and self.config.shared_lookup == "host":
+            return shared.known(digest)
+        return tier.exists(digest)
 
     def remove(self, keys: Sequence[BlockKey]) -> int:
         """Remove each block from every tier; the number of keys some tier held."""

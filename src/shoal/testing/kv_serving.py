@@ -120,6 +120,8 @@ class ServingConfig:
     s3: bool = False
     """The shared tier is the emulated cluster's S3 (its endpoint from ``SHOAL_S3_ENDPOINT``)."""
     high_water: float = 1.0
+    shared_lookup: str = "ask"
+    """shoal's ``KVConfig.shared_lookup``."""
     overlap_puts: bool = True
     start_delay_s: float = 2.0
 
@@ -350,6 +352,7 @@ def make_policy(cfg: ServingConfig, instances: int) -> Policy:
         shared_url=cfg.shared_url,
         storage_options=options,
         high_water=cfg.high_water,
+        shared_lookup=cfg.shared_lookup,
     )
     return ShoalPolicy(KVStore(kv), cfg.block_bytes, base)
 
