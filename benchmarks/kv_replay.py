@@ -43,7 +43,15 @@ from shoal.testing.kv_serving import (
     scaled_link_mbit,
     summarize,
 )
-from shoal.testing.kv_trace import BLOCK_TOKENS, TraceError, load_trace, prefix_chains, simulate_lru, trace_summary, window
+from shoal.testing.kv_trace import (
+    BLOCK_TOKENS,
+    TraceError,
+    load_trace,
+    prefix_chains,
+    simulate_lru,
+    trace_summary,
+    window,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRACE = os.path.join(HERE, "data", "mooncake", "conversation_trace.jsonl")
@@ -309,7 +317,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument(
         "--storage-gbps", type=float, default=16.0,
-        help="cluster: what the shared storage serves in all (the host and the other tenant), GB/s at full scale",
+        help="cluster: what the shared storage serves in all (host and tenant), GB/s at full scale",
     )  # fmt: skip
     ap.add_argument(
         "--storage-cpus", default=None, help="CPUs (comma-separated) for the S3 server and the tenant"

@@ -185,7 +185,9 @@ def test_a_trace_of_other_block_sizes_is_replayed_with_its_own_tokens_per_block(
     trace = _trace(tmp_path / "t.jsonl", seed=5, block_tokens=64)
     with pytest.raises(ShoalError, match="ceil"):
         load_trace(trace)  # read as 512-token blocks, its hash_ids do not add up: refused, naming the line
-    cfg = _config(tmp_path, trace, "shoal", dram_blocks=4, local_root=str(tmp_path / "local"), block_tokens=64)
+    cfg = _config(
+        tmp_path, trace, "shoal", dram_blocks=4, local_root=str(tmp_path / "local"), block_tokens=64
+    )
     out = _replay(cfg)
     reqs = load_trace(trace, block_tokens=64)
     sim = simulate_lru(prefix_chains(reqs), 4, backed=True)

@@ -4,9 +4,10 @@ process of this user on the host.
 Tables: ``blocks`` (the DRAM pool: digest, payload size, physical bytes, state, owner pid, last
 access, which lower tier holds a copy), ``local`` (the local tier's blocks, for its capacity),
 ``leases`` (pins: digest, owner pid, expiry), ``shared`` (the blocks this host's stores wrote to
-the shared tier and did not delete: what ``KVConfig.shared_lookup="host"`` answers from) and ``meta`` (format version, capacity, the running
-byte totals). Every change is one ``BEGIN IMMEDIATE`` transaction, so reservations from several
-processes are serialised by sqlite's write lock and the totals never pass the capacity.
+the shared tier and did not delete: what ``KVConfig.shared_lookup="host"`` answers from) and
+``meta`` (format version, capacity, the running byte totals). Every change is one ``BEGIN
+IMMEDIATE`` transaction, so reservations from several processes are serialised by sqlite's write
+lock and the totals never pass the capacity.
 
 Eviction order (pool blocks): least recent ``atime`` first; within one batch touched or stored at
 one instant, the deepest first: ``depth`` is a block's position in its batch (the caller passes a

@@ -131,7 +131,11 @@ class ServingConfig:
         for name in ("speedup", "per_token_s", "minutes"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"ServingConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int) or self.block_tokens < 1:
+        if (
+            isinstance(self.block_tokens, bool)
+            or not isinstance(self.block_tokens, int)
+            or self.block_tokens < 1
+        ):
             raise ConfigError(f"ServingConfig.block_tokens must be an int >= 1, got {self.block_tokens!r}")
         if self.block_bytes < _CHECK or self.dram_blocks < 0:
             raise ConfigError(
