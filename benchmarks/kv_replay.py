@@ -239,18 +239,21 @@ def _print(rep: dict[str, Any]) -> None:
             f"at most {t['reusable_ratio']:.1%} reusable), {t['input_tokens']} input tokens "
             f"over {t['span_s']:.0f} s\n"
         )
-        cols = ["policy", "TTFT mean", "p50", "p90", "p99", "queue", "fetch", "prefill", "hit: dram", "local"]
-        cols += ["storage", "recomputed", "read GiB (full scale): dram", "local", "storage", "LRU sim dram"]
+        cols = ["policy", "TTFT mean", "p50", "p90", "p99", "queue", "fetch", "of it: lookup", "prefill"]
+        cols += ["writer wait", "hit: dram", "local", "storage", "recomputed"]
+        cols += ["read GiB (full scale): dram", "local", "storage", "LRU sim dram"]
         print("| " + " | ".join(cols) + " |")
-        print("|---|" + "---:|" * 15)
+        print("|---|" + "---:|" * (len(cols) - 1))
         for policy, r in s["rows"].items():
-            h, b = r["hit_ratio"], r["bytes_read_full_scale"]
+            h, b, p = r["hit_ratio"], r["bytes_read_full_scale"], r["parts"]
             gib = {k: v / (1 << 30) for k, v in b.items()}
             lru = f"{r['lru_dram_hit_ratio']:.1%}" if "lru_dram_hit_ratio" in r else ""
+            wait = r["writer_waited"] / r["requests"] if r["requests"] else 0.0
+            lookup = p.get("lookup", 0.0)
             print(
                 f"| {policy} | {r['ttft']['mean']:.3f} | {r['ttft']['p50']:.3f} | {r['ttft']['p90']:.3f} | "
-                f"{r['ttft']['p99']:.3f} | {r['parts']['queue']:.3f} | {r['parts']['fetch']:.3f} | "
-                f"{r['parts']['prefill']:.3f} | {h.get('dram', 0):.1%} | {h.get('local', 0):.1%} | "
+                f"{r['ttft']['p99']:.3f} | {p['queue']:.3f} | {p['fetch']:.3f} | {lookup:.3f} | "
+                f"{p['prefill']:.3f} | {wait:.3f} | {h.get('dram', 0):.1%} | {h.get('local', 0):.1%} | "
                 f"{h.get('shared', 0):.1%} | {r['recomputed_ratio']:.1%} | {gib.get('dram', 0):.0f} | "
                 f"{gib.get('local', 0):.0f} | {gib.get('shared', 0):.0f} | {lru} |"
             )
