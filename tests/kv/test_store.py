@@ -105,19 +105,25 @@ def test_lookup_prefix_counts_the_longest_stored_prefix(shm_path: Path, tmp_path
         assert store.lookup_prefix([]) == 0
 
 
-def test_lookup_prefix_asks_the_shared_tier_once_for_a_new_tail(
-    shm_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def asked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The digests every store asks its shared tier about (``SharedBlocks.exists``), in order."""
     from shoal.kv.lower import SharedBlocks
 
-    asked: list[str] = []
+    seen: list[str] = []
     real = SharedBlocks.exists
 
     def counting(self: SharedBlocks, digest: str) -> bool:
-        asked.append(digest)
+        seen.append(digest)
         return real(self, digest)
 
     monkeypatch.setattr(SharedBlocks, "exists", counting)
+    return seen
+
+
+def test_lookup_prefix_asks_the_shared_tier_once_for_a_new_tail(
+    shm_path: Path, tmp_path: Path, asked: list[str]
+) -> None:
     cfg = KVConfig(str(shm_path / "pool"), 8 * PHYS, shared_url=str(tmp_path / "s"), high_water=1.0)
     ks = keys(40)
     with KVStore(cfg) as store:
@@ -128,18 +134,8 @@ def test_lookup_prefix_asks_the_shared_tier_once_for_a_new_tail(
 
 
 def test_shared_lookup_host_answers_from_what_this_host_wrote_without_asking(
-    shm_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    shm_path: Path, tmp_path: Path, asked: list[str]
 ) -> None:
-    from shoal.kv.lower import SharedBlocks
-
-    asked: list[str] = []
-    real = SharedBlocks.exists
-
-    def counting(self: SharedBlocks, digest: str) -> bool:
-        asked.append(digest)
-        return real(self, digest)
-
-    monkeypatch.setattr(SharedBlocks, "exists", counting)
     shared = str(tmp_path / "s")
     ks = keys(10)
     # Another host (its own pool and index) wrote ks[6:8] back to the shared tier.
