@@ -258,7 +258,8 @@ def _print(rep: dict[str, Any]) -> None:
                 f"{gib.get('local', 0):.0f} | {gib.get('shared', 0):.0f} | {lru} |"
             )
         for other, g in s["shoal_lower_mean_ttft_than"].items():
-            print(f"\nshoal's mean TTFT is {g:.1%} lower than {other}'s")
+            word = "lower" if g >= 0 else "higher"
+            print(f"\nshoal's mean TTFT is {abs(g):.1%} {word} than {other}'s")
 
 
 def _plot(rep: dict[str, Any], path: str, saved: dict[str, Any]) -> None:
