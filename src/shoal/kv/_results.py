@@ -6,6 +6,7 @@ the pool and the lower tiers can use them without importing the store.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -166,3 +167,25 @@ class Lease:
     expires_at: float
     """Wall-clock (``time.time()``) expiry, comparable across the host's processes."""
     digests: tuple[str, ...] = field(default=(), repr=False)
+
+
+class TrafficCounters:
+    """A store's traffic on one tier (what :class:`TierStats` reports). Bumped by the caller's
+    threads and the write-back thread (promotions, evictions), so every change holds the lock."""
+
+    __slots__ = ("_lock", "bytes_read", "bytes_written", "hits", "misses")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.bytes_read = self.bytes_written = 0
+
+    def add(self, *, hits: int = 0, misses: int = 0, bytes_read: int = 0, bytes_written: int = 0) -> None:
+        with self._lock:
+            self.hits += hits
+            self.misses += misses
+            self.bytes_read += bytes_read
+            self.bytes_written += bytes_written
+
+    def snapshot(self) -> tuple[int, int, int, int]:
+        with self._lock:
+            return self.hits, self.misses, self.bytes_read, self.bytes_written

@@ -67,6 +67,7 @@ from shoal.kv._results import (
     Lease,
     PutResult,
     TierStats,
+    TrafficCounters,
 )
 from shoal.kv._writeback import WriteBack
 from shoal.kv.blockfile import encode_header
@@ -103,28 +104,6 @@ _KEY_MEMORY = 1 << 16
 _SHARED_THREADS = 8
 
 
-class _Counters:
-    """This store's traffic on one tier. Bumped by the caller's threads and the write-back
-    thread (promotions, evictions), so every change holds the lock."""
-
-    __slots__ = ("_lock", "bytes_read", "bytes_written", "hits", "misses")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.hits = self.misses = self.bytes_read = self.bytes_written = 0
-
-    def add(self, *, hits: int = 0, misses: int = 0, bytes_read: int = 0, bytes_written: int = 0) -> None:
-        with self._lock:
-            self.hits += hits
-            self.misses += misses
-            self.bytes_read += bytes_read
-            self.bytes_written += bytes_written
-
-    def snapshot(self) -> tuple[int, int, int, int]:
-        with self._lock:
-            return self.hits, self.misses, self.bytes_read, self.bytes_written
-
-
 class KVStore:
     """The block store of one process (module docstring); joins, or creates, the host's pool."""
 
@@ -145,7 +124,7 @@ class KVStore:
                 self._local.spill = self._shared
         self._lower: list[LowerTier] = [t for t in (self._local, self._shared) if t is not None]
         self._listeners: list[Callable[[KVEvent], None]] = []
-        self._counters = {name: _Counters() for name in (DRAM, LOCAL, SHARED)}
+        self._counters = {name: TrafficCounters() for name in (DRAM, LOCAL, SHARED)}
         self._corrupt = 0
         self._corrupt_lock = threading.Lock()
         self._keys: OrderedDict[str, BlockKey] = OrderedDict()
