@@ -319,7 +319,9 @@ class ShoalPolicy:
             self.counts["put_errors"] += r.error is not None
 
     def warm(self) -> None:
-        self.store_.contains(BlockKey("warm-up", 0, b"\0" * 32))
+        # A get of an absent key reaches every tier, the shared one included (a lookup with
+        # shared_lookup="host" would not): the S3 client's session is built here, not on a request.
+        self.store_.get_batch_into([BlockKey("warm-up", 0, b"\0" * 32)], [bytearray(self.block_bytes)])
 
     def stats(self) -> dict[str, Any]:
         s = self.store_.stats()
