@@ -364,9 +364,16 @@ class StorageReader(_DcpStorageReader):
     """
 
     def __init__(
-        self, checkpointer: HasRuntime, step: int | None = None, *, _restore: Restore | None = None
+        self,
+        checkpointer: HasRuntime,
+        step: int | None = None,
+        *,
+        cast: bool = False,
+        _restore: Restore | None = None,
     ) -> None:
         super().__init__()
+        self.cast = cast
+        """Whether a stored tensor may be cast to its target's dtype (else a dtype mismatch is an error)."""
         self.checkpointer = checkpointer
         self._restore = _restore
         manifest = _restore.manifest if _restore is not None else None

@@ -82,6 +82,14 @@ class UnsupportedValue(ShoalError, TypeError):
     """A value in the state cannot be saved (it cannot be serialised); the message names its key."""
 
 
+class StateMismatch(ShoalError, ValueError):
+    """A stored item does not fit its target at load: another dtype or shape (names key, stored, target)."""
+
+
+class CollectiveMismatch(ShoalError, RuntimeError):
+    """A collective call (``save``, ``load``) that not every rank made, or not alike; names the ranks."""
+
+
 class StateError(ShoalError, RuntimeError):
     """An operation that the object's state does not allow (a save after ``close()``)."""
 
@@ -91,6 +99,7 @@ __all__ = [
     "CheckpointExists",
     "CheckpointFailed",
     "CheckpointNotFound",
+    "CollectiveMismatch",
     "ChecksumMismatch",
     "ConfigError",
     "FormatError",
@@ -101,6 +110,7 @@ __all__ = [
     "RestoreFailed",
     "ShoalError",
     "StateError",
+    "StateMismatch",
     "TierError",
     "UnsupportedFormat",
     "UnsupportedValue",

@@ -496,6 +496,15 @@ class Runtime:
             self._dcp_loads += 1
             return self._dcp_loads
 
+    def enter_collective(self, call: str) -> None:
+        """Collective: every rank makes this call (``"save(5)"``, ``"load(None)"``) as its next one.
+
+        Called first by the front doors' collective methods. Raises
+        :class:`~shoal.errors.CollectiveMismatch` within ``Config.collective_timeout`` on every
+        rank that called it when some rank did not (naming the ranks missing).
+        """
+        # filled in below (the board's arrival with the call named)
+
     def arrive(self, sequence: int, phase: str, timeout: float) -> None:
         """Every rank reached ``phase`` of the ``sequence``-th load, before any collective of it.
 
