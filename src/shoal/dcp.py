@@ -24,6 +24,7 @@ import ctypes
 import dataclasses
 import functools
 import io
+import logging
 import os
 import pickle
 import re
@@ -37,7 +38,7 @@ import torch
 from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
 from torch.distributed.checkpoint import StorageWriter as _DcpStorageWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
@@ -54,10 +55,20 @@ from shoal.engine.handle import SaveHandle
 from shoal.engine.restore import LoadReport, Restore
 from shoal.engine.runtime import Runtime
 from shoal.engine.stager import StageEntry
-from shoal.errors import ConfigError, FormatError, StateError, UnsupportedValue
+from shoal.errors import (
+    CollectiveMismatch,
+    ConfigError,
+    FormatError,
+    RestoreFailed,
+    StateError,
+    StateMismatch,
+    UnsupportedValue,
+)
 from shoal.format.crosscheck import check_metadata, item_dtype, item_key
 from shoal.format.dcp_codec import decode_metadata
 from shoal.format.manifest import ItemRecord, Manifest
+
+log = logging.getLogger(__name__)
 
 
 class HasRuntime(Protocol):
@@ -280,7 +291,21 @@ class StorageWriter(_DcpStorageWriter):
             )
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """DCP's first call into the writer, on every rank: with ``dcp.save`` called directly,
+        every rank must have called it (see :meth:`~shoal.engine.runtime.Runtime.enter_collective`).
+
+        DCP catches what this raises and takes it into its own gather of the ranks' plans, which
+        the ranks that never called ``dcp.save`` never join: so the error is logged here too,
+        naming them, before DCP waits out the process group's timeout.
+        """
         self.is_coordinator = is_coordinator
+        if self._managed:
+            return  # Checkpointer.save entered the collective before dcp.save
+        try:
+            self.checkpointer.runtime.enter_collective(f"dcp.save(step {self.step})")
+        except CollectiveMismatch as e:
+            log.error("%s", e)
+            raise
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # Tell shoal's SavePlanner which host this rank's plan comes from.
@@ -356,12 +381,32 @@ class StorageReader(_DcpStorageReader):
     item), on every rank alike. Non-tensor items are unpickled with
     ``torch.load(weights_only=True)`` unless ``Config.allow_pickle`` (see :func:`_safe_payload`).
 
+    A stored tensor is loaded into a target of its own dtype only: another dtype is a
+    :class:`~shoal.errors.StateMismatch` naming the item, unless ``cast=True``.
+
     Errors: DCP's ``dcp.load`` turns any exception from ``read_metadata`` into its own
     ``AssertionError("metadata is None ...")``. So ``read_metadata`` never raises: it keeps the
     error (a missing checkpoint, a malformed manifest) and returns an empty ``Metadata``, and
     ``set_up_storage_reader`` (DCP's next call into the reader, on every rank) raises the
     error itself, as a :class:`~shoal.errors.ShoalError`.
+
+    A load that fails on one rank fails on every rank at once, with that rank's error, as DCP's
+    own reader does: ``read_metadata`` and ``read_data`` start collectives of shoal's, and a
+    rank that fails before reaching them (in shoal's code, or in a subclass's override of
+    either method: overrides are wrapped when the subclass is defined) tells the others on the
+    job's store. They then skip the collective and return normally, so DCP's own gather of the
+    ranks' results raises its ``CheckpointException`` on every rank naming the failing ranks
+    only, and nothing waits for a timeout. The next load works as usual.
     """
+
+    _phases = ("read_metadata", "read_data")
+    """The methods that start shoal's collectives (each behind an arrival of every rank)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for phase in cls._phases:
+            if phase in cls.__dict__:
+                setattr(cls, phase, _reported(phase, cls.__dict__[phase]))
 
     def __init__(
         self,
@@ -382,6 +427,10 @@ class StorageReader(_DcpStorageReader):
         self.report: LoadReport | None = None
         self._checked: Metadata | None = None
         self._error: Exception | None = None
+        self._peer_failed: str | None = None
+        """Another rank's note when it failed this load before a collective of shoal's."""
+        self._failed: dict[str, BaseException] = {}
+        """Phases that failed on this rank (an override raised): DCP's second ask gets the same error."""
         # Every rank makes one reader per load, so the count names the load alike on every rank.
         self._sequence = checkpointer.runtime.next_load_sequence()
         if manifest is not None:  # chosen already (Checkpointer.load): refuse it before DCP starts
@@ -403,7 +452,9 @@ class StorageReader(_DcpStorageReader):
             # The choice is collective: enter it only once every rank is here (a rank whose
             # read_metadata failed before ours never comes; the others then fail alike).
             limit = self.checkpointer.runtime.config.collective_timeout
-            self.checkpointer.runtime.arrive(self._sequence, "read_metadata", limit)
+            closed = self.checkpointer.runtime.arrive(self._sequence, "read_metadata", limit)
+            if closed is not None:
+                raise _PeerFailed(closed)
             self._restore = self.checkpointer.runtime.begin_restore(self._requested)
         assert self._restore.manifest is not None
         return self._restore.manifest
@@ -413,12 +464,18 @@ class StorageReader(_DcpStorageReader):
 
         Never raises (DCP would hide the error): see the class docstring.
         """
+        if self._peer_failed is not None:
+            return _placeholder_metadata()
         if self._checked is not None or self._error is not None:  # DCP may ask twice
             return self._checked or Metadata(state_dict_metadata={})
         try:
             manifest = self._manifest()
             self.step = manifest.step
             self._checked = _checked_metadata(manifest)
+        except _PeerFailed as e:
+            # Another rank failed before the choice: plan nothing real; DCP's gather reports it.
+            self._peer_failed = str(e)
+            return _placeholder_metadata()
         except Exception as e:
             self._error = e
             return Metadata(state_dict_metadata={})
@@ -438,8 +495,36 @@ class StorageReader(_DcpStorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._peer_failed is not None:  # DCP went on after another rank's failure (it gathers next)
+            return _failed_future(RestoreFailed(f"nothing was read: {self._peer_failed}"))
         if self._restore is None or self._restore.manifest is None:
             raise StateError("shoal.dcp.StorageReader: read_data was called before read_metadata")
+        rt = self.checkpointer.runtime
+        try:
+            problem, dests, finishers = self._prepare_reads(plan, planner)
+        except Exception as e:
+            rt.abandon(self._sequence, "read_data", e)  # the others must not wait for this rank
+            raise
+        # Collective: every rank takes part, even with nothing to read or a bad plan; entered only
+        # once every rank is here (DCP's plan scatter just synchronised them: a short wait).
+        limit = min(60.0, rt.config.collective_timeout)
+        closed = rt.arrive(self._sequence, "read_data", limit)
+        fut: Future[None] = Future()
+        if closed is not None:
+            # A rank failed before reading (its own error reaches DCP's gather): read nothing.
+            fut.set_result(None)
+            return fut
+        self.report = self._restore.fetch(dests, problem=problem)
+        for finish in finishers:
+            finish()
+        fut.set_result(None)
+        return fut
+
+    def _prepare_reads(
+        self, plan: LoadPlan, planner: LoadPlanner
+    ) -> tuple[str | None, dict[str, memoryview], list[Any]]:
+        """Where each read item's bytes land: (a problem every rank reports, destinations, finishers)."""
+        assert self._restore is not None and self._restore.manifest is not None
         manifest = self._restore.manifest
         storage = self._metadata.storage_data or {}
         groups: dict[str, list[ReadItem]] = defaultdict(list)
@@ -457,24 +542,90 @@ class StorageReader(_DcpStorageReader):
         dests: dict[str, memoryview] = {}
         finishers: list[Any] = []
         if problem is None:
-            allow_pickle = self.checkpointer.runtime.config.allow_pickle
+            how = _Reading(
+                step=manifest.step,
+                rank=self.checkpointer.runtime.rank,
+                allow_pickle=self.checkpointer.runtime.config.allow_pickle,
+                cast=self.cast,
+            )
             for key, items in groups.items():
-                rec = manifest.items[key]
-                finishers.append(_prepare_item(rec, manifest.step, items, planner, dests, allow_pickle))
-        # Collective: every rank takes part, even with nothing to read or a bad plan; entered only
-        # once every rank is here (DCP's plan scatter just synchronised them: a short wait).
-        limit = min(60.0, self.checkpointer.runtime.config.collective_timeout)
-        self.checkpointer.runtime.arrive(self._sequence, "read_data", limit)
-        self.report = self._restore.fetch(dests, problem=problem)
-        for finish in finishers:
-            finish()
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+                finishers.append(_prepare_item(manifest.items[key], items, planner, dests, how))
+        return problem, dests, finishers
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+
+class _PeerFailed(Exception):
+    """Another rank failed this load before a collective of shoal's (its note, from the store)."""
+
+
+class _AnyItem(dict[str, Any]):
+    """State-dict metadata that holds every key, as a small opaque item: see :func:`_placeholder_metadata`."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __getitem__(self, key: str) -> Any:
+        return BytesStorageMetadata()
+
+
+def _placeholder_metadata() -> Metadata:
+    """What ``read_metadata`` returns after another rank failed before the checkpoint was chosen.
+
+    DCP plans the load next and gathers every rank's plan; the gather raises the failing rank's
+    error on every rank. So this rank's plan is never used, but it must be made without an
+    error of this rank's own (DCP would name this rank too): every key is 'there', as an opaque
+    item of no bytes, which DCP's default planner plans without a question.
+    """
+    return Metadata(state_dict_metadata=_AnyItem())
+
+
+def _failed_future(error: BaseException) -> Future[None]:
+    fut: Future[None] = Future()
+    fut.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the result
+    return fut
+
+
+def _reported(phase: str, method: Any) -> Any:
+    """``method`` (a subclass's override of ``phase``), telling the other ranks when it fails.
+
+    An exception escaping it, or a future it returns that fails, closes this load's arrival at
+    ``phase`` on the job's store, so the ranks waiting there stop at once (see
+    :meth:`StorageReader.read_data`). A failed phase asked again (DCP asks ``read_metadata``
+    twice when the first call raised) raises the same error, without calling the override.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: StorageReader, *args: Any, **kwargs: Any) -> Any:
+        failed = self.__dict__.get("_failed", {}).get(phase)
+        if failed is not None:
+            raise failed
+        try:
+            out = method(self, *args, **kwargs)
+        except BaseException as e:
+            _report(self, phase, e)
+            raise
+        if isinstance(out, Future):
+            out.add_done_callback(lambda f: _report_future(self, phase, f))
+        return out
+
+    return wrapper
+
+
+def _report(reader: StorageReader, phase: str, error: BaseException) -> None:
+    if "_sequence" not in reader.__dict__:  # the override ran before StorageReader.__init__
+        return
+    reader._failed[phase] = error
+    reader.checkpointer.runtime.abandon(reader._sequence, phase, error)
+
+
+def _report_future(reader: StorageReader, phase: str, fut: Future[Any]) -> None:
+    try:
+        fut.wait()
+    except BaseException as e:
+        _report(reader, phase, e)
 
 
 def _checked_metadata(manifest: Manifest) -> Metadata:
@@ -534,22 +685,36 @@ def _safe_payload(data: bytes | bytearray | memoryview, key: str, step: int) -> 
     return out.getvalue()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Reading:
+    """How one rank's load reads items: the step, the rank, and what the caller allowed."""
+
+    step: int
+    rank: int
+    allow_pickle: bool
+    cast: bool
+
+
 def _prepare_item(
     rec: ItemRecord,
-    step: int,
     items: list[ReadItem],
     planner: LoadPlanner,
     dests: dict[str, memoryview],
-    allow_pickle: bool,
+    how: _Reading,
 ) -> Any:
-    """Choose where item ``rec``'s bytes land (``dests[key]``); return what completes the reads after."""
+    """Choose where item ``rec``'s bytes land (``dests[key]``); return what completes the reads after.
+
+    Raises :class:`~shoal.errors.StateMismatch` when a target tensor's dtype is not the stored
+    one and ``how.cast`` is off.
+    """
+    step = how.step
     if rec.kind == "bytes":
         buf = bytearray(rec.nbytes)
         if rec.nbytes:
             dests[rec.key] = memoryview(buf)
 
         def finish_bytes() -> None:
-            payload = buf if allow_pickle else _safe_payload(buf, rec.key, step)
+            payload = buf if how.allow_pickle else _safe_payload(buf, rec.key, step)
             for ri in items:
                 planner.load_bytes(ri, io.BytesIO(payload))
 
@@ -557,6 +722,15 @@ def _prepare_item(
     dtype = item_dtype(rec.dtype, rec.key)
     shape = tuple(rec.shape or ())
     targets = [planner.resolve_tensor(ri).detach() for ri in items]
+    if not how.cast:
+        for ri, target in zip(items, targets, strict=True):
+            if target.dtype != dtype:
+                raise StateMismatch(
+                    f"load of step {step}, rank {how.rank}: item {ri.dest_index.fqn!r} is stored as "
+                    f"{_describe(dtype, shape)} but its target is {_describe(target.dtype, None)}; "
+                    f"load into a {str(dtype).removeprefix('torch.')} tensor, or allow the cast "
+                    "(Checkpointer.load(..., cast=True), shoal.dcp.StorageReader(..., cast=True))"
+                )
     direct: int | None = None
     for i, (ri, target) in enumerate(zip(items, targets, strict=True)):
         full = all(o == 0 for o in ri.storage_offsets) and tuple(ri.lengths) == shape
@@ -584,3 +758,8 @@ def _prepare_item(
             planner.commit_tensor(ri, target)
 
     return finish_tensors
+
+
+def _describe(dtype: torch.dtype, shape: tuple[int, ...] | None) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return name if shape is None else f"{name} {list(shape)}"

@@ -55,6 +55,7 @@ from shoal.engine.stager import Slot, SlotRing, StagedItem, StageEntry, stage_in
 from shoal.engine.store import newest_reached, read_pointer, resolve_manifest
 from shoal.errors import (
     CheckpointExists,
+    CollectiveMismatch,
     ConfigError,
     OwnershipError,
     RestoreFailed,
@@ -181,6 +182,8 @@ class Runtime:
         """Decisions every rank reads without a collective (the gates of saves through DCP)."""
         self._dcp_saves = 0
         self._dcp_loads = 0
+        self._calls = 0
+        """Collective calls entered so far (:meth:`enter_collective`), alike on every rank."""
 
     def _pipeline_context(
         self, cfg: Config, fabric: Fabric, host_tier: Tier | None, *, replicate: bool
@@ -497,29 +500,70 @@ class Runtime:
             return self._dcp_loads
 
     def enter_collective(self, call: str) -> None:
-        """Collective: every rank makes this call (``"save(5)"``, ``"load(None)"``) as its next one.
+        """Collective: every rank makes ``call`` (``"save(5)"``, ``"load(None)"``) as its next one.
 
-        Called first by the front doors' collective methods. Raises
-        :class:`~shoal.errors.CollectiveMismatch` within ``Config.collective_timeout`` on every
-        rank that called it when some rank did not (naming the ranks missing).
-        """
-        # filled in below (the board's arrival with the call named)
-
-    def arrive(self, sequence: int, phase: str, timeout: float) -> None:
-        """Every rank reached ``phase`` of the ``sequence``-th load, before any collective of it.
-
-        Raises :class:`~shoal.errors.RestoreFailed` naming the ranks that did not come within
-        ``timeout`` seconds (their ``dcp.load`` failed before this phase): every rank that came
-        fails alike, and the background group is left as it was.
+        The front doors' collective methods call this first, before any collective of theirs,
+        so that the commonest mistake with collective checkpointing (``if rank == 0:
+        ckpt.save(...)``) is an error and not a hang. Raises
+        :class:`~shoal.errors.CollectiveMismatch` on every rank that called it when some rank
+        did not within ``Config.collective_timeout`` (naming those ranks), or made another call
+        in its place (naming both). Costs a few store round trips; free with one rank.
         """
         if self._board is None:
             return
-        missing = self._board.arrive(f"load/{sequence}/{phase}", self.rank, self.world_size, timeout)
-        if missing:
-            raise RestoreFailed(
-                f"ranks {missing} did not reach {phase} of this load within {timeout:.0f} s (their "
-                "dcp.load failed before it); nothing was read, and the next load can go ahead"
+        with self._lock:
+            self._calls += 1
+            number = self._calls
+        timeout = self.config.collective_timeout
+        arrival = self._board.arrive(
+            f"call/{number}", self.rank, self.world_size, timeout, call=call
+        )
+        if arrival.complete:
+            return
+        if arrival.missing:
+            why = (
+                f"ranks {arrival.missing} of {self.world_size} did not call {call} within "
+                f"{timeout:.0f} s (Config.collective_timeout)"
             )
+        else:
+            why = str(arrival.closed).removeprefix("closed: ")
+        raise CollectiveMismatch(
+            f"rank {self.rank}: {call} failed before it began: {why}. {call.split('(')[0]}() is "
+            "collective: every rank must call it, with the same arguments and in the same order "
+            "(not under `if rank == 0:`)"
+        )
+
+    def arrive(self, sequence: int, phase: str, timeout: float) -> str | None:
+        """Every rank reached ``phase`` of the ``sequence``-th load, before any collective of it.
+
+        Returns None once every rank is there, or the note of a rank that failed this phase
+        before reaching it (:meth:`abandon`): then no rank starts the phase's collectives, and
+        the caller lets DCP report that rank's own error. Raises
+        :class:`~shoal.errors.RestoreFailed` naming the ranks that did not come within
+        ``timeout`` seconds (their ``dcp.load`` failed before this phase without a word): every
+        rank that came fails alike, and the background group is left as it was.
+        """
+        if self._board is None:
+            return None
+        arrival = self._board.arrive(f"load/{sequence}/{phase}", self.rank, self.world_size, timeout)
+        if arrival.missing:
+            raise RestoreFailed(
+                f"ranks {arrival.missing} did not reach {phase} of this load within {timeout:.0f} s "
+                "(their dcp.load failed before it, or they did not call it: every rank must); "
+                "nothing was read, and the next load can go ahead"
+            )
+        return arrival.closed
+
+    def abandon(self, sequence: int, phase: str, error: BaseException) -> None:
+        """This rank failed ``phase`` of the ``sequence``-th load before reaching it: tell the others.
+
+        The ranks waiting at (or coming to) that phase's arrival stop at once (see :meth:`arrive`).
+        Local: one store write, never a collective; free with one rank.
+        """
+        if self._board is None:
+            return
+        note = f"rank {self.rank} failed in {phase}: {type(error).__name__}: {str(error)[:300]}"
+        self._board.close(f"load/{sequence}/{phase}", note)
 
     def resolve_undecided(self, why: str) -> None:
         """Abandon checkpoints staged through ``dcp.save`` whose ``finish`` never came.

@@ -13,10 +13,27 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+_OPEN = "open"
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """How a :meth:`Board.arrive` ended: every rank came (both fields empty), or not."""
+
+    missing: list[int]
+    """Ranks that had not arrived when the wait ran out (the arriving rank closed the gate)."""
+    closed: str | None
+    """The gate's note when it was closed (``"closed: ..."``): a rank failed, timed out or differs."""
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing and self.closed is None
 
 
 class Board:
@@ -46,23 +63,49 @@ class Board:
         got = self._store.compare_set(key, "", value)
         return bytes(got).decode() if not isinstance(got, str) else got
 
-    def arrive(self, key: str, rank: int, world_size: int, timeout: float) -> list[int]:
-        """Wait (without a collective) until every rank arrived at ``key``; the ranks missing at timeout.
+    def arrive(
+        self, key: str, rank: int, world_size: int, timeout: float, *, call: str | None = None
+    ) -> Arrival:
+        """Wait (without a collective) until every rank arrived at ``key``, or the arrival was closed.
 
-        Returns ``[]`` once all ``world_size`` ranks arrived. A rank that never comes (its
-        caller failed before reaching this point) costs the others ``timeout`` seconds, after
-        which they can fail alike without having started a collective that would be left half
-        done on the background group.
+        The last rank to arrive opens the arrival's gate for everyone. A rank that will never
+        come can close it first (:meth:`close`, with a note saying why): everyone waiting, and
+        everyone who arrives later, then gets the note at once instead of waiting ``timeout``.
+        With ``call`` (what this rank is doing, e.g. ``"save(5)"``), the first rank's call is
+        kept and a rank that arrives with another closes the gate, naming both. A rank missing
+        at ``timeout`` closes the gate too, so the ranks that come later fail alike.
+
+        Never starts a collective, so a rank that never comes leaves none half done. Every
+        arrival costs a few store round trips, then one a poll: from 1 ms apart, backing off to
+        20 ms (the store's own blocking wait would hold this process's store connection, which
+        the pipeline thread's gates share, for as long as it waits).
         """
+        gate = f"{key}/gate"
+        if call is not None:
+            first = self.post(f"{key}/call", call)
+            if first != call:
+                note = f"rank {rank} called {call} where another rank called {first}"
+                return Arrival(missing=[], closed=self.close(key, note))
         self._store.set(f"{key}/r{rank}", "1")
+        if int(self._store.add(f"{key}/count", 1)) >= world_size:
+            self.post(gate, _OPEN)
         deadline = time.monotonic() + timeout
-        arrived = int(self._store.add(f"{key}/count", 1))
-        while arrived < world_size:
+        pause = 0.001
+        while not self._store.check([gate]):
             if time.monotonic() >= deadline:
-                return [r for r in range(world_size) if not self._store.check([f"{key}/r{r}"])]
-            time.sleep(0.005)
-            arrived = int(self._store.add(f"{key}/count", 0))
-        return []
+                missing = [r for r in range(world_size) if not self._store.check([f"{key}/r{r}"])]
+                decided = self.close(key, f"ranks {missing} did not arrive within {timeout:.0f} s")
+                if decided == _OPEN:  # the last one came just now
+                    return Arrival(missing=[], closed=None)
+                return Arrival(missing=missing, closed=decided)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        final = self.peek(gate)
+        return Arrival(missing=[], closed=None if final == _OPEN else final)
+
+    def close(self, key: str, note: str) -> str:
+        """Close the arrival at ``key`` with ``note`` unless its gate was decided; return the decision."""
+        return self.post(f"{key}/gate", f"closed: {note}")
 
     def peek(self, key: str) -> str | None:
         """The decision under ``key``, or None if none was posted yet (never blocks)."""

@@ -56,22 +56,56 @@ class FaultyWriter(shoal_dcp.StorageWriter):
         self._fail("finish_after")
 
 
+LOAD_FAULTS = (
+    "set_up_storage_reader",
+    "prepare_local_plan",
+    "prepare_global_plan",
+    "read_metadata",
+    "read_data",
+    "read_data_async",
+)
+"""The phases of PyTorch's own load fault injection (``FaultyStorageReader`` in its tests)."""
+
+
 class FaultyReader(shoal_dcp.StorageReader):
-    """shoal's reader, failing ``read_metadata`` or ``read_data`` on ``ranks``."""
+    """shoal's reader, failing one phase of :data:`LOAD_FAULTS` on ``ranks``.
+
+    As in PyTorch's fault injection, a faulty phase raises before shoal's code runs, so the
+    failing rank never reaches shoal's collectives; ``read_data_async`` returns a failed future
+    instead of reading (it raises nothing).
+    """
 
     def __init__(self, ckpt: shoal.Checkpointer, step: int | None, phase: str, ranks: Sequence[int]) -> None:
         super().__init__(ckpt, step)
         self.phase = phase
         self.fail_here = ckpt.rank in ranks
 
+    def _fail(self, phase: str) -> None:
+        if self.fail_here and self.phase == phase:
+            raise InjectedDcpFault(f"injected fault in {phase}")
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        if self.fail_here and self.phase == "read_metadata":
-            raise InjectedDcpFault("injected fault in read_metadata")
+        self._fail("read_metadata")
         return super().read_metadata(*args, **kwargs)
 
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._fail("set_up_storage_reader")
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        self._fail("prepare_local_plan")
+        return super().prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: Any) -> Any:
+        self._fail("prepare_global_plan")
+        return super().prepare_global_plan(plans)
+
     def read_data(self, plan: Any, planner: Any) -> Any:
-        if self.fail_here and self.phase == "read_data":
-            raise InjectedDcpFault("injected fault in read_data")
+        self._fail("read_data")
+        if self.fail_here and self.phase == "read_data_async":
+            failed: Future[Any] = Future()
+            failed.set_exception(InjectedDcpFault("injected fault in read_data (async)"))
+            return failed
         return super().read_data(plan, planner)
 
 
@@ -152,24 +186,84 @@ def coordinator_rank_one(rank: int, world: int, *, root: str) -> dict[str, Any]:
         return {"latest": ckpt.latest()}
 
 
+def _dcp_load(
+    target: dict[str, Any], reader: shoal_dcp.StorageReader, *, world: int, coordinator: int
+) -> None:
+    if coordinator == 0:
+        dcp.load(target, storage_reader=reader, no_dist=world == 1)
+        return
+    with warnings.catch_warnings():  # only the older entry point takes coordinator_rank
+        warnings.simplefilter("ignore", FutureWarning)
+        dcp.load_state_dict(target, reader, coordinator_rank=coordinator)
+
+
 def load_faults_then_good_load(
-    rank: int, world: int, *, root: str, faults: Sequence[tuple[str, Sequence[int]]]
+    rank: int,
+    world: int,
+    *,
+    root: str,
+    faults: Sequence[tuple[str, Sequence[int], int]],
+    collective_timeout: float = 120.0,
 ) -> dict[str, Any]:
-    """Save once; for each load fault, a failing dcp.load, then a good one, bit for bit."""
-    seen: dict[str, str] = {}
-    with shoal.Checkpointer(group_config(root, collective_timeout=15.0)) as ckpt:
+    """Save once; for each ``(phase, failing ranks, coordinator)``, a failing dcp.load, then a good one.
+
+    Returns, per fault, what the failing load raised on this rank: the exception's class, and for
+    DCP's ``CheckpointException`` the ranks it names with each one's original error (class and
+    message). The good load after each fault is checked bit for bit here.
+    """
+    seen: dict[str, Any] = {}
+    with shoal.Checkpointer(group_config(root, collective_timeout=collective_timeout)) as ckpt:
         state = state_for(rank, 1)
         ckpt.save(1, state).wait(shoal.Boundary.RESTARTABLE, timeout=120)
-        for phase, ranks in faults:
-            label = f"{phase}@{','.join(map(str, ranks))}"
+        for phase, ranks, coordinator in faults:
+            label = f"{phase}@{','.join(map(str, ranks))}/c{coordinator}"
             try:
-                dcp.load(zeros_like_state(state), storage_reader=FaultyReader(ckpt, 1, phase, ranks),
-                         no_dist=world == 1)  # fmt: skip
-                seen[label] = "no error"
-            except (CheckpointException, InjectedDcpFault) as e:
-                seen[label] = type(e).__name__
+                _dcp_load(zeros_like_state(state), FaultyReader(ckpt, 1, phase, ranks),
+                          world=world, coordinator=coordinator)  # fmt: skip
+                seen[label] = {"raised": None}
+            except CheckpointException as e:
+                seen[label] = {"raised": type(e).__name__, "failures": _failures(e)}
+            except InjectedDcpFault as e:  # one process: DCP lets the error through as it is
+                seen[label] = {"raised": type(e).__name__}
             target = zeros_like_state(state)
-            dcp.load(target, storage_reader=shoal_dcp.StorageReader(ckpt, 1), no_dist=world == 1)
+            _dcp_load(target, shoal_dcp.StorageReader(ckpt, 1), world=world, coordinator=coordinator)
             assert_state_equal(target, state)
         ckpt.save(2, state_for(rank, 2)).wait(shoal.Boundary.RESTARTABLE, timeout=120)
     return {"errors": seen}
+
+
+def _failures(e: CheckpointException) -> dict[int, tuple[str, str]]:
+    """The ranks a ``CheckpointException`` names, each with its original error's class and message."""
+    out: dict[int, tuple[str, str]] = {}
+    for r, failure in e.failures.items():
+        original = failure[0] if isinstance(failure, tuple) else failure
+        out[int(r)] = (type(original).__name__, str(original))
+    return out
+
+
+def mismatched_dtype_on_one_rank(rank: int, world: int, *, root: str, bad_rank: int) -> dict[str, Any]:
+    """Checkpointer.load where ``bad_rank``'s target holds one tensor in float16 (stored float32).
+
+    Every rank's load raises what ``bad_rank``'s raised; then a load with ``cast=True`` casts, and
+    a load into the right dtypes is bit-exact.
+    """
+    with shoal.Checkpointer(group_config(root, collective_timeout=120.0)) as ckpt:
+        state = state_for(rank, 1)
+        ckpt.save(1, state).wait(shoal.Boundary.RESTARTABLE, timeout=120)
+        target = zeros_like_state(state)
+        if rank == bad_rank:
+            target["shared.weight"] = target["shared.weight"].half()
+        raised: tuple[str, str] | None = None
+        try:
+            ckpt.load(target)
+        except shoal.ShoalError as e:
+            raised = (type(e).__name__, str(e))
+        cast = zeros_like_state(state)
+        if rank == bad_rank:
+            cast["shared.weight"] = cast["shared.weight"].half()
+        ckpt.load(cast, cast=True)
+        cast_ok = bool(torch.equal(cast["shared.weight"], state["shared.weight"].half()))
+        good = zeros_like_state(state)
+        ckpt.load(good)
+        assert_state_equal(good, state)
+    return {"raised": raised, "cast_ok": cast_ok}
