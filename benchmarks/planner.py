@@ -1,4 +1,4 @@
-"""Seconds the group save planner takes on its own, for 64 to 16,384 ranks (DESIGN.md section 3).
+"""Seconds the group save planner takes on its own, for 64 to 16,384 ranks (docs/design.md section 3).
 
 Every rank reports ``--chunks`` chunks of 4 MiB in items of ``--chunks-per-item`` chunks; hosts
 hold ``--ranks-per-host`` ranks, partners by the ring scheme, nothing durable or held yet (a

@@ -1,4 +1,4 @@
-"""The four durability boundaries (DESIGN.md section 3)."""
+"""The four durability boundaries (docs/design.md section 3)."""
 
 from __future__ import annotations
 

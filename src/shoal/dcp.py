@@ -370,13 +370,13 @@ class StorageReader(_DcpStorageReader):
     Collective like ``dcp.load`` itself: ``read_metadata`` takes the job's inventory and
     agrees on the checkpoint (its metadata may come from the shared tier or from a host's
     copy); ``read_data`` reads each chunk the ranks need once in the job, from the nearest
-    surviving copy, and spreads it over the fabric (DESIGN.md section 5). Every chunk is
+    surviving copy, and spreads it over the fabric (docs/design.md section 5). Every chunk is
     verified against its BLAKE3 digest before any of its bytes reach the state dict; a bad
     copy is replaced by another. Resharding works: reads are DCP's offsets and lengths into
     saved items. After ``dcp.load`` returns, :attr:`step` is the step loaded and
     :attr:`report` says which sources served it.
 
-    Trust (DESIGN.md section 11): before a byte is read, the manifest is checked against its
+    Trust (docs/design.md section 11): before a byte is read, the manifest is checked against its
     own DCP metadata (:mod:`shoal.format.crosscheck`: kind, dtype, shape and size of every
     item), on every rank alike. Non-tensor items are unpickled with
     ``torch.load(weights_only=True)`` unless ``Config.allow_pickle`` (see :func:`_safe_payload`).

@@ -1,4 +1,4 @@
-"""Failpoints: named places in the pipeline where tests inject faults (DESIGN.md section 9).
+"""Failpoints: named places in the pipeline where tests inject faults (docs/design.md section 9).
 
 ``SHOAL_FAILPOINTS="pipeline.before_commit=raise;stage.after_copy=delay:0.5@rank:1"``
 arms points by name; each entry is ``name=action[:arg][@rank:N]`` with actions

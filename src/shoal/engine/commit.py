@@ -3,7 +3,7 @@
 A strategy object beside the tiers' file commit strategies
 (:class:`~shoal.tiers.base.CommitStrategy` makes one *file* appear whole or not at all;
 :class:`CheckpointCommit` makes one *checkpoint* appear committed or not at all). The order,
-and what is checked before each write (DESIGN.md section 4, steps 8-9; section 11):
+and what is checked before each write (docs/design.md section 4, steps 8-9; section 11):
 
 1. every pack the manifest references is on the tier whole
    (:func:`~shoal.engine.catalog.require_packs`), else nothing is written;

@@ -1,4 +1,4 @@
-"""Writer fencing: one process at a time commits into a job on shared storage (DESIGN.md section 11).
+"""Writer fencing: one process at a time commits into a job on shared storage (docs/design.md section 11).
 
 Two processes that save under one ``Config.job`` into one shared root (a job name used
 twice, on two machines) would otherwise interleave their commits, move ``LATEST`` back

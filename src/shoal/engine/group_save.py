@@ -1,4 +1,4 @@
-"""One checkpoint's trip through the background pipeline, on every rank (DESIGN.md section 4).
+"""One checkpoint's trip through the background pipeline, on every rank (docs/design.md section 4).
 
 Every rank runs :meth:`GroupSave.run` for the same checkpoint, in step order, and
 makes the same sequence of collectives on the background group:
@@ -280,7 +280,7 @@ class GroupSave:
             return RankReport(ctx.rank, ctx.host, (), held, self._local("hash", e))
 
     def _write_staged_index(self, items: tuple[ReportItem, ...]) -> None:
-        """Add the chunk digests to the slot's staged index (written at B1; DESIGN.md section 5)."""
+        """Add the chunk digests to the slot's staged index (written at B1; docs/design.md section 5)."""
         staged = self.job.staged
         if self.ctx.dram is None or staged is None:
             return
@@ -302,7 +302,7 @@ class GroupSave:
         return message
 
     def _decide_path(self, reports: list[RankReport]) -> PathDecision:
-        """Coordinator: this checkpoint's path, from the policy (DESIGN.md section 4, step 3)."""
+        """Coordinator: this checkpoint's path, from the policy (docs/design.md section 4, step 3)."""
         ctx = self.ctx
         self.logical_bytes = sum(i.nbytes for r in reports for i in r.items)
         context = PathContext(

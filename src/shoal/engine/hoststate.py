@@ -1,6 +1,6 @@
 """A process's place in its host tiers: the run it belongs to, its lock, and what crashed processes left.
 
-DESIGN.md section 11. A *run* is one shared root URL + job, with an id recorded once on
+docs/design.md section 11. A *run* is one shared root URL + job, with an id recorded once on
 shared storage (``<shared>/<job>/RUN``). Every host-tier object of a run lives below that
 run's own directory, so a run only ever sees (and deletes) its own state::
 

@@ -1,4 +1,4 @@
-"""What survives where: each host's DRAM slabs and host-tier packs, and the shared tier (DESIGN.md section 5).
+"""What survives where: each host's DRAM slabs and host-tier packs, and the shared tier (docs/design.md §5).
 
 A host's leader lists its host (:func:`host_inventory`): the manifests and packs of its
 host tiers (partner copies, written at B2), and the staged index of every DRAM slab (what a

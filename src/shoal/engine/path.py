@@ -1,6 +1,6 @@
 """The durability path of each checkpoint: ``partner`` (B2 on a partner host, then the drain) or ``direct``.
 
-DESIGN.md sections 4 and 7. The coordinator decides, checkpoint by checkpoint, at plan time
+docs/design.md sections 4 and 7. The coordinator decides, checkpoint by checkpoint, at plan time
 (C2 of :mod:`shoal.engine.group_save`), by asking a :class:`PathPolicy` with what it knows
 then (:class:`PathContext`: the job's ranks and hosts, the bytes the ranks staged, and the
 records of recent checkpoints). The decision and its reason travel with the plan to every

@@ -1,4 +1,4 @@
-"""Restore: inventory, choose, read each chunk once, verify, repair, spread it (DESIGN.md section 5).
+"""Restore: inventory, choose, read each chunk once, verify, repair, spread it (docs/design.md section 5).
 
 Collective, on the background fabric, every rank in the same order:
 

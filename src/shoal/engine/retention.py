@@ -5,7 +5,7 @@ deletes in a crash-safe order: a step's commit record, then its manifest, then
 packs no remaining manifest references. A pack written for a step newer than
 ``horizon`` may belong to a checkpoint in flight and is never touched.
 
-Damage does not stop the collection (DESIGN.md section 11). A *damaged* step is one
+Damage does not stop the collection (docs/design.md section 11). A *damaged* step is one
 whose manifest cannot be used: unreadable or malformed, missing under a commit
 record (two writers leave that), or not the one its commit record names.
 

@@ -1,4 +1,4 @@
-"""A DRAM slot's staged index: what its slab holds, for a restarted process (DESIGN.md section 5).
+"""A DRAM slot's staged index: what its slab holds, for a restarted process (docs/design.md section 5).
 
 Written to the DRAM tier next to the host's slabs, once per step and in three files, so that no
 step rewrites what an earlier one wrote:
@@ -91,7 +91,7 @@ class StagedIndex:
     dcp: Mapping[str, Any] | None = None
     """The checkpoint's DCP metadata (coordinator only)."""
     run: str | None = None
-    """The run the slab belongs to (DESIGN.md section 11): a restore uses only its own run's."""
+    """The run the slab belongs to (docs/design.md section 11): a restore uses only its own run's."""
     _written: set[str] = field(default_factory=set, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 

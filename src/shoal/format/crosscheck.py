@@ -1,4 +1,4 @@
-"""A manifest checked against its own DCP metadata before a byte is loaded (DESIGN.md section 11).
+"""A manifest checked against its own DCP metadata before a byte is loaded (docs/design.md section 11).
 
 A manifest describes each stored item twice: shoal's record (kind, dtype, shape, byte
 size, chunk digests) and DCP's ``Metadata`` (what the state dict held: each tensor's

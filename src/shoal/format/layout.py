@@ -1,4 +1,4 @@
-"""Where things live inside a tier root (DESIGN.md section 6).
+"""Where things live inside a tier root (docs/design.md section 6).
 
 ```
 <tier root>/<job>[/<host_id>]/
@@ -22,7 +22,7 @@ LATEST = "LATEST"
 STEPS_DIR = "steps"
 PACKS_DIR = "packs"
 RUN = "RUN"
-"""Shared tier: the run's id, written once, at the job's first ``Checkpointer`` (DESIGN.md section 11)."""
+"""Shared tier: the run's id, written once, at the job's first ``Checkpointer`` (docs/design.md §11)."""
 WRITER = "WRITER"
 """Shared tier: the id of the writer allowed to commit into the job (the newest one to claim it)."""
 

@@ -110,7 +110,7 @@ class Manifest:
     partial: bool = False
     """A host tier's copy: every item, but locations only for the chunks this tier holds."""
     run: str | None = None
-    """The id of the run that wrote it (``<shared>/<job>/RUN``; DESIGN.md section 11)."""
+    """The id of the run that wrote it (``<shared>/<job>/RUN``; docs/design.md section 11)."""
     writer: str | None = None
     """The id of the writer that committed it (``<shared>/<job>/WRITER``)."""
     path: str | None = None

@@ -1,4 +1,4 @@
-"""After a load's reads, who sends which chunk to whom (DESIGN.md section 5): pure, every rank alike.
+"""After a load's reads, who sends which chunk to whom (docs/design.md section 5): pure, every rank alike.
 
 Each chunk was read by one rank (its *reader*). It reaches every other rank that needs it in
 at most two hops, and crosses to each other host once:

@@ -1,4 +1,4 @@
-"""What the save planner reads and writes: frozen, plain data (DESIGN.md section 4).
+"""What the save planner reads and writes: frozen, plain data (docs/design.md section 4).
 
 Each rank reports :class:`RankChunks`: its items as one :class:`ChunkTable` (columns, with all
 its chunk digests in one buffer of raw bytes, as the group save's exchange delivers them). The

@@ -1,4 +1,4 @@
-"""The save planner: pure functions over plain data, frozen plans out (DESIGN.md section 4).
+"""The save planner: pure functions over plain data, frozen plans out (docs/design.md section 4).
 
 Input: every rank's report, a :class:`~shoal.group.plan.RankChunks` whose items are one
 :class:`~shoal.group.plan.ChunkTable` (keys and sizes per item, every chunk digest as 32 raw

@@ -1,4 +1,4 @@
-"""The restore planner: which checkpoint to load, and who reads each chunk from where (DESIGN.md section 5).
+"""The restore planner: which checkpoint to load, and who reads each chunk from where (docs/design.md §5).
 
 Pure functions over plain data, like the save planner:
 

@@ -1,4 +1,4 @@
-"""Where ranks run: hosts, failure domains and replication partners (DESIGN.md sections 1 and 4).
+"""Where ranks run: hosts, failure domains and replication partners (docs/design.md sections 1 and 4).
 
 A :class:`Topology` is plain, immutable data that every rank can build for itself from
 the host id of every rank (one all-gather at start-up). It says:

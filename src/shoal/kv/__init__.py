@@ -1,4 +1,4 @@
-"""``shoal.kv``: the KV-cache block store (DESIGN.md section 12; docs/kv.md).
+"""``shoal.kv``: the KV-cache block store (docs/design.md section 12; docs/kv.md).
 
 Blocks keyed by :class:`BlockKey` (namespace, tensor-parallel rank, chained prefix hash) live in a
 host DRAM pool shared by the host's processes, then on local disk, then on shared storage;

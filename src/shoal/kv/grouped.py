@@ -1,4 +1,4 @@
-"""Grouped reads: the ranks of one serving instance read each shared KV block once (DESIGN.md section 12).
+"""Grouped reads: the ranks of one serving instance read each shared KV block once (docs/design.md §12).
 
 When several ranks of one instance (tensor parallel) need the same blocks, one rank reads each
 block from the store and the bytes cross the fabric to the others; a block already in a rank's

@@ -1,4 +1,4 @@
-"""Multi-rank restore scenarios (DESIGN.md section 5), run with :func:`shoal.testing.multiproc.run_ranks`.
+"""Multi-rank restore scenarios (docs/design.md §5), run with :func:`shoal.testing.multiproc.run_ranks`.
 
 Each returns plain data for the test process; the bit-exact comparisons happen in the
 ranks themselves. Phases that must look like a crash end with SIGKILL (no ``close``, so

@@ -1,7 +1,7 @@
 """The slab capability: tiers that hand out staging slabs, as protocols callers check with ``isinstance``.
 
 A *slab* is a named, growable, writable buffer a tier keeps outside its files: the stager
-copies a rank's items into one and the pipeline reads them from there (DESIGN.md section 4).
+copies a rank's items into one and the pipeline reads them from there (docs/design.md section 4).
 :class:`shoal.tiers.dram.DramTier` is the built-in slab store (one pre-faulted shared-memory
 file per slab); any tier can be one by offering the methods of :class:`SlabStore`. Callers
 ask ``isinstance(tier, SlabStore)``, never for a class or with ``getattr``.
