@@ -22,6 +22,13 @@ Points, in the order a checkpoint meets them (``rank`` is the global rank):
 ``pipeline.before_latest``                coordinator: ``COMMIT`` written, before ``LATEST``
 ========================================  =====================================================
 
+Storage (any checkpoint, any step):
+
+========================================  =====================================================
+``shared.write``                          a POSIX shared-tier file: after its first buffer is
+                                          written, before the rest (a disk filling up mid-file)
+========================================  =====================================================
+
 The KV-cache block store's points (:mod:`shoal.kv`):
 
 ========================================  =====================================================

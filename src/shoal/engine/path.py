@@ -5,9 +5,10 @@ docs/design.md sections 4 and 7. The coordinator decides, checkpoint by checkpoi
 then (:class:`PathContext`: the job's ranks and hosts, the bytes the ranks staged, and the
 records of recent checkpoints). The decision and its reason travel with the plan to every
 rank, and go to each rank's handle (``SaveHandle.path``, ``SaveHandle.path_reason``), the
-manifest (``Manifest.path``) and the event log (a ``path`` event). The default policy is
-:class:`RulePolicy` (``Config.path``: ``"auto"`` is "partner when the job spans hosts");
-the completion-time model plugs in here as another policy.
+manifest (``Manifest.path``) and the event log (a ``path`` event). ``Config.path`` picks the
+default policy (:func:`default_policy`): :class:`RulePolicy` for ``"partner"`` and ``"direct"``,
+and for ``"auto"`` :class:`ModelPolicy`, which asks the completion-time model once the job's own
+records can fit it (a rule until then).
 """
 
 from __future__ import annotations
