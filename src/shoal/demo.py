@@ -25,11 +25,7 @@ import shutil
 import signal
 import tempfile
 import time
-from typing import Any
-
-import torch
-import torch.distributed as dist
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 import shoal
 from shoal import failpoints
@@ -38,10 +34,20 @@ from shoal.format.chunking import digest
 from shoal.testing.multiproc import run_ranks
 from shoal.tiers.roles import Role, open_role
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# torch is imported by the functions that train (in the ranks' processes), not here: `shoal demo
+# --help` and the parser of `shoal` must not wait seconds for it.
+
 HOSTS = ["h0", "h0", "h1", "h1"]
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    import torch
+    from torch import nn
+
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(
         d_model=64, nhead=4, dim_feedforward=256, dropout=0.0, batch_first=True
@@ -58,6 +64,10 @@ def _train_step(
     model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, *, sync: bool = True
 ) -> float:
     """One data-parallel step: this rank's batch, gradients averaged over the job."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
     g = torch.Generator().manual_seed(step * 1000 + rank)
     tokens = torch.randint(0, 512, (8, 32), generator=g)
     logits = model(tokens[:, :-1])
@@ -78,6 +88,8 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str,
 
 
 def _fingerprint(model: nn.Module) -> dict[str, str]:
+    import torch
+
     return {
         k: digest(v.detach().contiguous().view(torch.uint8).numpy().tobytes())
         for k, v in model.state_dict().items()
@@ -98,6 +110,8 @@ def _config(root: str) -> shoal.Config:
 
 
 def _rank(rank: int, world: int, *, mode: str, root: str, steps: int, every: int, lose_at: int) -> Any:
+    import torch.distributed as dist
+
     model, opt = _model()
     if mode == "reference":
         for step in range(1, steps + 1):

@@ -240,10 +240,19 @@ def test_bad_command_lines_exit_2_with_a_message(capsys, argv, message):
     assert code == 2 and message in err and "Traceback" not in err
 
 
-def test_ls_of_an_empty_directory_says_so(tmp_path, capsys):
-    code, out, err = run(capsys, "ls", str(tmp_path))
-    assert code == 0 and out == "" and "no checkpoints under" in err
-    assert run(capsys, "verify", str(tmp_path))[0] == 2
+def test_an_empty_directory_is_no_job(tmp_path, capsys):
+    # tests/cli/test_cli_no_job.py has the rest: what is expected there, the jobs found next to it
+    for command in ("ls", "verify", "gc"):
+        code, out, err = run(capsys, command, str(tmp_path))
+        assert code == 2 and out == "" and err.startswith(f"shoal {command}: error: no job at {tmp_path} (")
+
+
+def test_ls_of_a_job_without_checkpoints_says_so(config, capsys):
+    with shoal.Checkpointer(config):  # writes the job's RUN record, saves nothing
+        pass
+    code, out, err = run(capsys, "ls", config.shared_url())
+    assert code == 0 and out == "" and err == f"no checkpoints under {config.shared_url()}\n"
+    assert run(capsys, "verify", config.shared_url())[0] == 2
 
 
 def test_demo_gets_the_rest_of_the_command_line(monkeypatch, capsys):

@@ -201,7 +201,7 @@ def test_a_corrupted_chunk_fails_the_export_and_leaves_nothing_behind(config, tm
     pack_file.write_bytes(bytes(data))
     for fmt in ("dcp", "safetensors"):
         out_dir = tmp_path / fmt
-        code, out, err = run(capsys, "export", url, "--format", fmt, str(out_dir))
+        code, out, err = run(capsys, "export", url, "--format", fmt, "--all", str(out_dir))
         assert code == 2 and out == ""
         assert "item 'w'" in err and "chunk 0" in err and f"offset {offset}" in err and "Traceback" not in err
         assert not out_dir.exists()
@@ -235,7 +235,7 @@ def test_export_reads_each_run_of_a_pack_at_once_not_each_item(config, tmp_path,
     monkeypatch.setattr(FsspecTier, "read_range_into", counting)
     for fmt in ("dcp", "safetensors"):
         reads.clear()
-        code, out, err = run(capsys, "export", url, "--format", fmt, str(tmp_path / fmt))
+        code, out, err = run(capsys, "export", url, "--format", fmt, "--all", str(tmp_path / fmt))
         assert code == 0, err
         assert len(reads) == runs, fmt  # one read per run of chunks, verified and scattered
     exported = safetensors_torch.load_file(str(tmp_path / "safetensors" / "model.safetensors"))
@@ -246,42 +246,151 @@ def test_export_reads_each_run_of_a_pack_at_once_not_each_item(config, tmp_path,
 # -- safetensors ---------------------------------------------------------------------------------
 
 
-def test_export_safetensors_holds_every_tensor_and_names_what_it_skips(config, tmp_path, capsys):
+def safetensors_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file, read back with the safetensors package."""
+    loaded: dict[str, torch.Tensor] = safetensors_torch.load_file(str(path))
+    return loaded
+
+
+def assert_bit_exact(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Exactly ``expected``'s names, and each tensor's dtype, shape and every byte."""
+    assert sorted(loaded) == sorted(expected)
+    for name, t in loaded.items():
+        assert t.dtype == expected[name].dtype and t.shape == expected[name].shape, name
+        assert torch.equal(bits(t), bits(expected[name])), name
+
+
+def test_export_safetensors_writes_the_model_only_named_as_its_state_dict(config, tmp_path, capsys):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    model.register_buffer("table", torch.randn(5, 3).bfloat16())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()  # the optimizer now has moments (exp_avg, exp_avg_sq) as large as the model
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    url = save(config, {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 3})
+    out_dir = tmp_path / "st"
+    code, out, err = run(capsys, "export", url, "--format", "safetensors", str(out_dir))
+    assert code == 0, err
+    assert sorted(p.name for p in out_dir.iterdir()) == ["model.safetensors"]
+    loaded = safetensors_file(out_dir / "model.safetensors")
+    assert_bit_exact(loaded, expected)  # no optimizer moment, no 'model.' prefix
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    fresh.register_buffer("table", torch.zeros(5, 3, dtype=torch.bfloat16))
+    fresh.load_state_dict(loaded, strict=True)  # the names are the model's own
+    assert "the model, the tensors under 'model', named without 'model.'" in out
+    assert err == (
+        "note: exported the model only (the tensors under 'model', named without 'model.'); "
+        "left out optim, epoch (--all exports every tensor, names as stored)\n"
+    )
+
+
+def test_export_safetensors_of_the_model_names_what_it_skips_in_it(config, tmp_path, capsys):
     state = rich_state()
     url = save(config, state)
     code, out, err = run(capsys, "export", url, "--format", "safetensors", str(tmp_path / "st"))
     assert code == 0, err
+    tensors = state["model"]
+    unsupported = {k for k, t in tensors.items() if not supported_dtype(t.dtype)}
+    assert_bit_exact(
+        safetensors_file(tmp_path / "st" / "model.safetensors"),
+        {k: t for k, t in tensors.items() if k not in unsupported},
+    )
+    assert "objects that are not tensors" not in err  # optim.lr, epoch, ...: not the model's
+    for name in unsupported:
+        assert f"model.{name}" in err
+    assert "left out optim, nested, epoch, name" in err
+
+
+def test_export_safetensors_all_holds_every_tensor_as_stored_and_names_what_it_skips(
+    config, tmp_path, capsys
+):
+    state = rich_state()
+    url = save(config, state)
+    code, out, err = run(capsys, "export", url, "--format", "safetensors", "--all", str(tmp_path / "st"))
+    assert code == 0, err
+    assert "every tensor, names as stored" in out
     assert sorted(p.name for p in (tmp_path / "st").iterdir()) == ["model.safetensors"]
-    loaded = safetensors_torch.load_file(tmp_path / "st" / "model.safetensors")
     tensors = flat_tensors(state)
     unsupported = {k for k, t in tensors.items() if not supported_dtype(t.dtype)}
-    assert set(loaded) == set(tensors) - unsupported
-    for name, t in loaded.items():
-        assert t.dtype == tensors[name].dtype and t.shape == tensors[name].shape, name
-        assert torch.equal(bits(t), bits(tensors[name])), name
+    loaded = safetensors_file(tmp_path / "st" / "model.safetensors")
+    assert {"optim.state.0.exp_avg", "optim.state.0.step", "nested.deeper.t", "model.f32"} <= set(loaded)
+    assert_bit_exact(loaded, {k: t for k, t in tensors.items() if k not in unsupported})
     assert "skipped 4 objects that are not tensors: optim.lr, nested.deeper.list_obj, epoch, name" in err
     for name in unsupported:
         assert name in err
+    assert "note:" not in err
+
+
+def test_export_safetensors_without_a_model_key_lists_the_top_level_keys(config, tmp_path, capsys):
+    g = torch.Generator().manual_seed(3)
+    net = {"w": torch.randn(4, 4, generator=g), "b": torch.randn(4, generator=g)}
+    url = save(config, {"net": net, "opt": {"m": torch.zeros(4)}, "step": 9})
+    code, out, err = run(capsys, "export", url, "--format", "safetensors", str(tmp_path / "st"))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err == (
+        "shoal export: error: step 1 has no 'model' state dict to export as the model; its top-level "
+        "keys: net, opt, step; choose what to export with --strip-prefix KEY. (the tensors under KEY, "
+        "named without it) or --all (every tensor, names as stored)\n"
+    )
+    assert not (tmp_path / "st").exists()
+    code, out, err = run(
+        capsys, "export", url, "--format", "safetensors", "--strip-prefix", "net.", str(tmp_path / "st")
+    )
+    assert code == 0, err
+    assert "the tensors under 'net.', named without it" in out
+    assert_bit_exact(safetensors_file(tmp_path / "st" / "model.safetensors"), net)
+
+
+def test_export_safetensors_of_a_model_that_is_one_tensor_says_so(config, tmp_path, capsys):
+    url = save(config, {"model": torch.ones(3), "step": 1})
+    code, _, err = run(capsys, "export", url, "--format", "safetensors", str(tmp_path / "st"))
+    assert (
+        code == 2 and "('model' is a single item, not a state dict); its top-level keys: model, step" in err
+    )
+    code, _, err = run(capsys, "export", url, "--format", "safetensors", "--all", str(tmp_path / "st"))
+    assert code == 0, err
+    assert_bit_exact(safetensors_file(tmp_path / "st" / "model.safetensors"), {"model": torch.ones(3)})
+
+
+def test_export_safetensors_all_and_strip_prefix_are_one_choice(config, tmp_path, capsys):
+    code, _, err = run(
+        capsys, "export", "/x/job", "--format", "safetensors", "--all", "--strip-prefix", "m.", str(tmp_path)
+    )
+    assert code == 2 and "not allowed with argument" in err
+
+
+def test_export_safetensors_strip_prefix_that_matches_nothing_lists_the_top_level_keys(
+    config, tmp_path, capsys
+):
+    url = save(config, rich_state())
+    code, _, err = run(
+        capsys, "export", url, "--format", "safetensors", "--strip-prefix", "ema.", str(tmp_path / "st")
+    )
+    assert code == 2 and "step 1 has no tensors to export under 'ema.'" in err
+    assert "its top-level keys: model, optim, nested, epoch, name" in err and "--all" in err
+    assert not (tmp_path / "st").exists()
 
 
 def test_export_safetensors_assembles_shards_and_splits_files_by_size(config, tmp_path, capsys):
     state = sharded_state()
-    url = save(config, state)
+    url = save(config, {"model": state})
     out_dir = tmp_path / "st"
     code, _, err = run(
         capsys, "export", url, "--format", "safetensors", "--max-shard-size", "100B", str(out_dir)
     )
     assert code == 0, err
+    assert "skipped 1 objects that are not tensors: model.step" in err
     index = json.loads((out_dir / "model.safetensors.index.json").read_bytes())
     expected = {k: v for k, v in plain(state).items() if isinstance(v, torch.Tensor)}
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in expected.values())
-    assert set(index["weight_map"]) == set(expected)
+    assert set(index["weight_map"]) == set(expected) == {"w", "emb", "b"}
     files = sorted(set(index["weight_map"].values()))
     assert files == [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]  # 240 B, 54 B, 48 B
     loaded: dict[str, torch.Tensor] = {}
     for name in files:
-        loaded |= safetensors_torch.load_file(out_dir / name)
-    assert_state_equal(loaded, expected)
+        loaded |= safetensors_file(out_dir / name)
+    assert_bit_exact(loaded, expected)
 
 
 def test_export_safetensors_strip_prefix_selects_and_renames(config, tmp_path, capsys):
@@ -292,15 +401,23 @@ def test_export_safetensors_strip_prefix_selects_and_renames(config, tmp_path, c
         capsys, "export", url, "--format", "safetensors", "--strip-prefix", "optim.state.", str(out_dir)
     )
     assert code == 0, err
-    loaded = safetensors_torch.load_file(out_dir / "model.safetensors")
-    assert sorted(loaded) == ["0.exp_avg", "0.step"]
-    assert torch.equal(loaded["0.exp_avg"], state["optim"]["state"]["0"]["exp_avg"])
+    assert_bit_exact(safetensors_file(out_dir / "model.safetensors"), flat_tensors(state["optim"]["state"]))
+    assert "note:" not in err
+    # an empty prefix, as before: every tensor, names as stored (what --all does)
+    code, _, err = run(
+        capsys, "export", url, "--format", "safetensors", "--strip-prefix", "", str(tmp_path / "everything")
+    )
+    assert code == 0, err
+    assert run(capsys, "export", url, "--format", "safetensors", "--all", str(tmp_path / "all"))[0] == 0
+    every = safetensors_file(tmp_path / "everything" / "model.safetensors")
+    assert_bit_exact(every, safetensors_file(tmp_path / "all" / "model.safetensors"))
+    assert "optim.state.0.exp_avg" in every and "model.f32" in every
 
 
 def test_export_safetensors_strict_refuses_what_it_cannot_hold(config, tmp_path, capsys):
-    url = save(config, {"w": torch.ones(3), "epoch": 3})
+    url = save(config, {"model": {"w": torch.ones(3), "epoch": 3}})
     code, _, err = run(capsys, "export", url, "--format", "safetensors", "--strict", str(tmp_path / "st"))
-    assert code == 2 and "objects that are not tensors: epoch" in err
+    assert code == 2 and "objects that are not tensors: model.epoch" in err
     assert not (tmp_path / "st").exists()
 
 

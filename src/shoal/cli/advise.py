@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 from rich.text import Text
 
 from shoal.cli.common import print_json, stdout_console
 from shoal.cli.exposure import add_log_options, read_log, seconds_text
-from shoal.engine.exposure_log import PathAdvice, RunAdvice, advise_run
-from shoal.model.advisor import FailureModel, IntervalAdvice
-from shoal.model.exposure import LEVEL_NAMES
+
+if TYPE_CHECKING:
+    from shoal.engine.exposure_log import PathAdvice, RunAdvice
+    from shoal.model.advisor import FailureModel, IntervalAdvice
+
+# The advisor and the event log reader are imported by the functions that use them: they import
+# numpy and scipy (seconds), which building the parser (``shoal --help``) must not wait for.
 
 SECONDS_PER_HOUR = 3600.0
 
@@ -60,10 +64,14 @@ def _count(text: str) -> int:
 
 def failure_model(args: argparse.Namespace) -> FailureModel:
     """The failures the command line describes (``--node-mtbf`` is in hours)."""
+    from shoal.model.advisor import FailureModel
+
     return FailureModel(args.node_mtbf * SECONDS_PER_HOUR, args.nodes, args.restart)
 
 
 def _advice_doc(advice: IntervalAdvice, path: PathAdvice) -> dict[str, Any]:
+    from shoal.model.exposure import LEVEL_NAMES
+
     lag = path.measured.lags[advice.name]
     return {"boundary": LEVEL_NAMES[lag.boundary_level], "boundary_level": lag.boundary_level,
             "lag_checkpoints": lag.checkpoints, **dataclasses.asdict(advice)}  # fmt: skip
@@ -108,6 +116,8 @@ def _hours_text(value: float | None) -> str:
 
 def path_table(name: str, path: PathAdvice, advice: RunAdvice) -> Table:
     """One durability path: a row per failure class, the intervals and the waste at each."""
+    from shoal.model.exposure import LEVEL_NAMES
+
     m = path.measured
     gap = "-" if advice.save_gap_s is None else seconds_text(advice.save_gap_s)
     how = "given" if advice.gap_given else "measured"
@@ -142,6 +152,8 @@ def path_table(name: str, path: PathAdvice, advice: RunAdvice) -> Table:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shoal.engine.exposure_log import advise_run
+
     failures = failure_model(args)
     log = read_log(args)
     advice = advise_run(

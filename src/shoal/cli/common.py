@@ -10,6 +10,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
@@ -96,14 +97,202 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+class JobNotFound(CheckpointNotFound):
+    """The addressed directory is not a shoal job: it does not exist, or shoal wrote nothing there."""
+
+
+JOB_RECORDS = (layout.RUN, layout.WRITER, layout.LATEST)
+"""The records shoal writes at a job directory's root on shared storage: ``RUN`` when the job's
+first ``Checkpointer`` starts, ``WRITER`` when a writer claims the job, ``LATEST`` at the first commit."""
+JOB_DIRS = (layout.STEPS_DIR, layout.PACKS_DIR)
+"""The directories of a job's checkpoints (manifests and commit records, packs)."""
+JOB_MARKERS = frozenset((*JOB_RECORDS, *JOB_DIRS))
+"""A directory holding any of these names is a job directory."""
+MAX_LISTED_JOBS = 20
+"""Jobs a message names at most."""
+MAX_PROBED_DIRS = 200
+"""Directories of a shared root looked into for jobs at most (one listing each)."""
+
+_EXPECTED = (
+    f"a job directory holds a {', '.join(JOB_RECORDS[:-1])} or {JOB_RECORDS[-1]} record, "
+    f"or {' and '.join(d + '/' for d in JOB_DIRS)}, which shoal writes at <shared>/<job>"
+)
+
+
 def open_job(args: argparse.Namespace) -> Tier:
-    """The shared tier holding the addressed job's checkpoints."""
+    """The shared tier holding the addressed job's checkpoints.
+
+    A directory that is not a job (it does not exist, or holds none of :data:`JOB_MARKERS`) is
+    a :class:`JobNotFound` naming what was expected there and the jobs found next to it; a job
+    with no checkpoint yet (only its ``RUN`` record) opens.
+    """
     from shoal.tiers.roles import Role, open_role
 
+    url = job_url(args)
+    options = storage_options(args)
     try:
-        return open_role(Role.SHARED, job_url(args), storage_options(args))
+        tier = open_role(Role.SHARED, url, options)
     except ConfigError as e:
         raise CliError(str(e)) from e
+    try:
+        if not is_job(tier):
+            raise JobNotFound(_no_job(args, url, options))
+    except BaseException:
+        tier.close()
+        raise
+    return tier
+
+
+def is_job(tier: Tier) -> bool:
+    """Whether ``tier`` (a job directory on shared storage) holds anything shoal writes for a job."""
+    if any(tier.exists(name) for name in JOB_RECORDS):
+        return True
+    return any(tier.list(f"{d}/") for d in JOB_DIRS)
+
+
+def _no_job(args: argparse.Namespace, url: str, options: dict[str, Any]) -> str:
+    """The one-line message for ``url``, which is not a job: what was expected, which jobs are there."""
+    command = getattr(args, "command", None) or "ls"
+    here = _probe(url, options)
+    if args.shared:
+        root: str | None = args.shared.rstrip("/") or args.shared
+        head = f"no job {args.job or DEFAULT_JOB!r} under {root}"
+        if here == "missing":
+            head += f": {url} does not exist"
+        elif here == "file":
+            head += f": {url} is a file"
+        else:
+            head += f" (expected {url}: {_EXPECTED})"
+        return head + _jobs_note(root, options, command, given="--job")
+    if here == "missing":
+        head = f"no job at {url}: no such file or directory"
+    elif here == "file":
+        head = f"no job at {url}: it is a file, not a job directory"
+    else:
+        inside = _find_jobs(url, options)
+        if isinstance(inside, _Jobs) and inside.names:
+            first = inside.names[0]
+            return (
+                f"no job at {url} ({_EXPECTED}); it looks like a shared root: jobs found in it: "
+                f"{inside.listed()} (shoal {command} {url}/{first}, or --shared {url} --job {first})"
+            )
+        head = f"no job at {url} ({_EXPECTED})"
+    return head + _jobs_note(parent_url(url), options, command, given=None)
+
+
+@dataclass(frozen=True)
+class _Jobs:
+    """The job directories found right under a root, and what else the listing showed."""
+
+    names: list[str]
+    unprobed: int
+    """Directories not looked into (past :data:`MAX_PROBED_DIRS`)."""
+    root_is_job: bool
+    """The root itself holds a job's records: it is a job directory, not a shared root."""
+
+    def listed(self) -> str:
+        shown = self.names[:MAX_LISTED_JOBS]
+        text = ", ".join(shown)
+        if len(self.names) > len(shown):
+            text += f" and {len(self.names) - len(shown)} more"
+        if self.unprobed:
+            text += f" (and {self.unprobed} more directories not looked into)"
+        return text
+
+
+def _jobs_note(root: str | None, options: dict[str, Any], command: str, *, given: str | None) -> str:
+    """``; jobs found under ROOT: a, b`` (or that there are none, or why ROOT could not be listed)."""
+    if root is None:
+        return ""
+    found = _find_jobs(root, options)
+    if isinstance(found, str):
+        return f"; {found}"
+    note = ""
+    if found.names:
+        note = f"; jobs found under {root}: {found.listed()}"
+        if given:
+            note += f" (choose one with {given} NAME)"
+    elif found.root_is_job:
+        pass
+    elif found.unprobed:
+        note = f"; no jobs found under {root} in the {MAX_PROBED_DIRS} directories looked into"
+    else:
+        note = f"; no jobs found under {root} either"
+    if found.root_is_job:
+        note += f"; {root} itself is a job directory (shoal {command} {root})"
+    return note
+
+
+def parent_url(url: str) -> str | None:
+    """The directory above ``url`` (a path or an fsspec URL), or None at a bucket or the file system root."""
+    scheme, sep, rest = url.rpartition("://")
+    prefix = f"{scheme}{sep}"
+    rest = rest.rstrip("/")
+    if "/" not in rest:
+        if sep:  # s3://bucket: no parent
+            return None
+        return "." if rest not in ("", ".") else None
+    parent = rest.rsplit("/", 1)[0]
+    return prefix + (parent or "/")  # /job: the root
+
+
+def _filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
+    """The fsspec file system and path of ``url``, opened as the shared tier opens it (no caches)."""
+    import fsspec
+
+    opts = dict(options)
+    opts["skip_instance_cache"] = True
+    if fsspec.utils.get_protocol(url) not in ("file", "local"):
+        opts.setdefault("use_listings_cache", False)
+    fs, path = fsspec.url_to_fs(url, **opts)
+    return fs, path
+
+
+_PROBE_ERRORS = (OSError, ValueError, ImportError, RuntimeError, TypeError)
+"""What looking at a path that is not a job may fail with (no credentials, no such bucket, ...)."""
+
+
+def _probe(url: str, options: dict[str, Any]) -> str:
+    """``"missing"``, ``"file"`` or ``"directory"`` (also when it cannot be told)."""
+    try:
+        fs, path = _filesystem(url, options)
+        if not fs.exists(path):
+            return "missing"
+        if fs.isfile(path):
+            return "file"
+    except _PROBE_ERRORS:
+        pass
+    return "directory"
+
+
+def _find_jobs(root: str, options: dict[str, Any]) -> _Jobs | str:
+    """The job directories right under ``root`` (one listing each); why not, if it cannot be listed."""
+    try:
+        fs, path = _filesystem(root, options)
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return f"{root} does not exist either"
+    except NotADirectoryError:
+        return f"{root} is not a directory"
+    except _PROBE_ERRORS as e:
+        return f"could not list {root} for jobs: {type(e).__name__}: {' '.join(str(e).split())}"
+    names = {_basename(e["name"]) for e in entries if isinstance(e, dict) and "name" in e}
+    dirs = sorted(
+        str(e["name"]).rstrip("/") for e in entries if isinstance(e, dict) and e.get("type") == "directory"
+    )
+    jobs = []
+    for d in dirs[:MAX_PROBED_DIRS]:
+        try:
+            inside = {_basename(n) for n in fs.ls(d, detail=False)}
+        except _PROBE_ERRORS:
+            continue
+        if inside & JOB_MARKERS:
+            jobs.append(_basename(d))
+    return _Jobs(jobs, max(0, len(dirs) - MAX_PROBED_DIRS), bool(names & JOB_MARKERS))
+
+
+def _basename(name: object) -> str:
+    return str(name).rstrip("/").rsplit("/", 1)[-1]
 
 
 def missing_step(tier: Tier, step: int) -> CheckpointNotFound:

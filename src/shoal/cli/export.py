@@ -13,6 +13,15 @@ from typing import Any
 from shoal.cli.common import CliError, byte_progress, open_job, parse_size, step_number
 
 
+def _selected(prefix: str | None) -> str:
+    """What a safetensors export holds, for the closing line."""
+    if prefix is None:
+        return "the model, the tensors under 'model', named without 'model.'"
+    if not prefix:
+        return "every tensor, names as stored"
+    return f"the tensors under {prefix!r}, named without it"
+
+
 def run(args: argparse.Namespace) -> int:
     from shoal.cli.source import check_stored, load_source, storage_keys
 
@@ -40,19 +49,20 @@ def run(args: argparse.Namespace) -> int:
             else:
                 from shoal.cli.export_safetensors import export_safetensors
 
+                prefix = "" if args.all else args.strip_prefix
                 files = export_safetensors(
                     tier,
                     manifest,
                     md,
                     out_dir,
                     max_shard_size=args.max_shard_size,
-                    strip_prefix=args.strip_prefix,
+                    strip_prefix=prefix,
                     strict=args.strict,
                     overwrite=args.overwrite,
                     advance=advance,
                     warn=bar.console.print,
                 )
-                what = f"safetensors ({', '.join(p.name for p in files)})"
+                what = f"safetensors ({', '.join(p.name for p in files)}: {_selected(prefix)})"
     finally:
         tier.close()
     print(f"exported step {manifest.step} of {tier.url} to {out_dir} as {what}")
@@ -66,11 +76,13 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="write a checkpoint as a stock DCP directory or safetensors",
         description="Write one checkpoint (default: the one LATEST names) to a local directory, reading "
         "every chunk verified. --format dcp: a directory torch.distributed.checkpoint.FileSystemReader "
-        "loads (and dcp_to_torch_save converts). --format safetensors: every tensor, with DCP shards "
-        "assembled into whole tensors, in model.safetensors (or shards of --max-shard-size with a "
-        "model.safetensors.index.json, as Hugging Face lays them out); objects that are not tensors, "
-        "and tensors of dtypes safetensors cannot hold, are listed on stderr as skipped (--strict: "
-        "fail instead).",
+        "loads (and dcp_to_torch_save converts). --format safetensors: the model, the tensors under the "
+        "state dict's top-level 'model' key named without 'model.' (the keys of model.state_dict()), "
+        "with DCP shards assembled into whole tensors, in model.safetensors (or shards of "
+        "--max-shard-size with a model.safetensors.index.json, as Hugging Face lays them out); "
+        "--strip-prefix chooses other tensors, --all every tensor (the optimizer's too); objects that are "
+        "not tensors, and tensors of dtypes safetensors cannot hold, are listed on stderr as skipped "
+        "(--strict: fail instead).",
     )
     p.add_argument(
         "paths",
@@ -90,11 +102,18 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         metavar="SIZE",
         help="largest shard file (default 5GB; units B, KB/MB/GB = 1000^n, KiB/MiB/GiB = 1024^n)",
     )
-    st.add_argument(
+    which = st.add_mutually_exclusive_group()
+    which.add_argument(
         "--strip-prefix",
-        default="",
         metavar="PREFIX",
-        help="export only tensors whose name starts with PREFIX, without it (e.g. 'model.')",
+        help="export the tensors whose flattened name starts with PREFIX, named without it "
+        "(default: 'model.', the model, which the checkpoint must have)",
+    )
+    which.add_argument(
+        "--all",
+        action="store_true",
+        help="export every tensor (the optimizer's too), named as stored (model.layers.0.weight, "
+        "optim.state.0.exp_avg, ...)",
     )
     st.add_argument(
         "--strict", action="store_true", help="fail instead of skipping what safetensors cannot hold"

@@ -1,12 +1,19 @@
-"""``shoal export --format safetensors``: every tensor of a checkpoint as safetensors files.
+"""``shoal export --format safetensors``: a checkpoint's model (or other tensors) as safetensors files.
 
 A tensor DCP saved in shards (several write items for one FQN, each at its offsets in
 the full tensor) is assembled into the whole tensor; the chunks must cover it exactly.
 One ``model.safetensors``, or, when the tensors exceed ``max_shard_size``,
 ``model-00001-of-0000N.safetensors`` files and a ``model.safetensors.index.json``
 (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``) as Hugging Face
-lays them out. Tensor names are the flattened DCP FQNs (``model.layers.0.weight``),
-optionally filtered and shortened by ``strip_prefix``.
+lays them out.
+
+What is exported: by default the model only, the tensors under the state dict's top-level
+``model`` key (DCP flattens ``{"model": {...}, "optim": {...}}`` to ``model.layers.0.weight``,
+``optim.state.0.exp_avg``, ...), named without the ``model.`` prefix, so that the names are the
+keys of ``model.state_dict()``; a checkpoint without a ``model`` key is refused, naming its
+top-level keys. ``strip_prefix`` chooses another prefix (the tensors whose flattened name starts
+with it, named without it); ``strip_prefix=""`` exports every tensor (the optimizer's too)
+under its flattened DCP name.
 
 What safetensors cannot hold is skipped and named through ``warn`` (or, with
 ``strict``, refused with :class:`~shoal.cli.common.CliError`): objects that are not
@@ -36,6 +43,12 @@ from shoal.tiers.base import Tier
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+MODEL_KEY = "model"
+"""The top-level key of the state dict exported by default (``{"model": model.state_dict(), ...}``)."""
+CHOOSE = (
+    "--strip-prefix KEY. (the tensors under KEY, named without it) or --all (every tensor, names as stored)"
+)
+"""How to choose what to export instead, for messages."""
 
 
 def _safetensors() -> ModuleType:
@@ -158,6 +171,29 @@ def _read_shard(
     return out
 
 
+def top_level_keys(md: Metadata) -> list[str]:
+    """The state dict's top-level keys, in the order DCP lists them (``model`` of ``model.layers.0.w``)."""
+    return list(dict.fromkeys(fqn.split(".", 1)[0] for fqn in md.state_dict_metadata))
+
+
+def _under(fqn: str, prefix: str) -> bool:
+    return not prefix or (fqn.startswith(prefix) and len(fqn) > len(prefix))
+
+
+def _model_prefix(manifest: Manifest, md: Metadata) -> str:
+    """``"model."``, the default prefix, if the state dict has a ``model`` state dict; else a CliError."""
+    prefix = f"{MODEL_KEY}."
+    if not any(_under(fqn, prefix) for fqn in md.state_dict_metadata):
+        single = MODEL_KEY in md.state_dict_metadata
+        raise CliError(
+            f"step {manifest.step} has no {MODEL_KEY!r} state dict to export as the model"
+            + (f" ({MODEL_KEY!r} is a single item, not a state dict)" if single else "")
+            + f"; its top-level keys: {', '.join(top_level_keys(md)) or 'none'}; "
+            f"choose what to export with {CHOOSE}"
+        )
+    return prefix
+
+
 def _select(
     md: Metadata, strip_prefix: str, strict: bool, warn: Callable[[str], object]
 ) -> dict[str, tuple[str, TensorStorageMetadata]]:
@@ -166,7 +202,7 @@ def _select(
     objects: list[str] = []
     unsupported: list[str] = []
     for fqn, meta in md.state_dict_metadata.items():
-        if strip_prefix and not (fqn.startswith(strip_prefix) and len(fqn) > len(strip_prefix)):
+        if not _under(fqn, strip_prefix):
             continue
         if not isinstance(meta, TensorStorageMetadata):
             objects.append(fqn)
@@ -211,21 +247,32 @@ def export_safetensors(
     out_dir: Path,
     *,
     max_shard_size: int = 5 * 10**9,
-    strip_prefix: str = "",
+    strip_prefix: str | None = None,
     strict: bool = False,
     overwrite: bool = False,
     advance: Callable[[int], None] = lambda n: None,
     warn: Callable[[str], object] = print,
 ) -> list[Path]:
-    """Write the tensors of ``manifest``'s checkpoint as safetensors in ``out_dir``; return the files."""
+    """Write the tensors of ``manifest``'s checkpoint as safetensors in ``out_dir``; return the files.
+
+    ``strip_prefix``: None (the default) exports the model, the tensors under the top-level
+    ``model`` key without ``model.``; a prefix exports the tensors under it, without it; ``""``
+    exports every tensor, names as stored.
+    """
     st = _safetensors()
     by_index = storage_keys(manifest, md)
     keys = {(i.fqn, tuple(i.offset) if i.offset is not None else None): k for i, k in by_index.items()}
-    tensors = _select(md, strip_prefix, strict, warn)
+    prefix = _model_prefix(manifest, md) if strip_prefix is None else strip_prefix
+    tensors = _select(md, prefix, strict, warn)
     if not tensors:
         raise CliError(
             f"step {manifest.step} has no tensors to export"
-            + (f" under {strip_prefix!r}" if strip_prefix else "")
+            + (
+                f" under {prefix!r}; its top-level keys: {', '.join(top_level_keys(md)) or 'none'}; "
+                f"choose what to export with {CHOOSE}"
+                if prefix
+                else ""
+            )
         )
     sizes = {name: _nbytes(meta) for name, (_, meta) in tensors.items()}
     shards = plan_shards(sizes, max_shard_size)
@@ -253,4 +300,10 @@ def export_safetensors(
             }
             written.append(out_dir / INDEX_FILE)
             write_durably(written[-1], lambda f: f.write(json.dumps(index, indent=2).encode()))
+    left_out = [k for k in top_level_keys(md) if k != MODEL_KEY]
+    if strip_prefix is None and left_out:
+        warn(
+            f"note: exported the model only (the tensors under {MODEL_KEY!r}, named without {prefix!r}); "
+            f"left out {', '.join(left_out)} (--all exports every tensor, names as stored)"
+        )
     return written

@@ -13,15 +13,20 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 from rich.text import Text
 
 from shoal.cli.common import CliError, print_json, stderr_console, stdout_console
 from shoal.config import default_local_root
-from shoal.engine.exposure_log import COORDINATOR, RunLog, read_run_log
-from shoal.model.exposure import LEVEL_NAMES, ExposureTimeline
+
+if TYPE_CHECKING:
+    from shoal.engine.exposure_log import RunLog
+    from shoal.model.exposure import ExposureTimeline
+
+# The event log reader and the exposure model are imported by the functions that use them: they
+# import numpy and scipy (seconds), which building the parser (``shoal --help``) must not wait for.
 
 EVENT_LOG = "events.jsonl"
 _PATTERNS = (EVENT_LOG, f"runs/*/{EVENT_LOG}", f"*/runs/*/{EVENT_LOG}")
@@ -114,6 +119,8 @@ def _matches(directory: str, path: str, run: str | None, host: str | None) -> bo
 
 def read_log(args: argparse.Namespace) -> RunLog:
     """The run the command line names, its notes printed on stderr."""
+    from shoal.engine.exposure_log import COORDINATOR, read_run_log
+
     path, notes = find_event_log(args)
     log = read_run_log(path, rank=COORDINATOR)
     err = stderr_console()
@@ -136,6 +143,8 @@ def seconds_text(value: float) -> str:
 
 def timeline_doc(log: RunLog, timeline: ExposureTimeline) -> dict[str, Any]:
     """``--json``: the run's timeline (``ExposureTimeline.to_json``), the log and the notes."""
+    from shoal.engine.exposure_log import COORDINATOR
+
     failed = sum(1 for c in log.checkpoints if c.failed_at is not None or not c.finished)
     return {
         "events": log.source,
@@ -148,6 +157,8 @@ def timeline_doc(log: RunLog, timeline: ExposureTimeline) -> dict[str, Any]:
 
 def timeline_table(log: RunLog, timeline: ExposureTimeline) -> Table:
     """One row per failure class: its boundary, the peak, mean and integral, the exposure at the end."""
+    from shoal.model.exposure import LEVEL_NAMES
+
     title = (
         f"rollback exposure of {log.source} over {seconds_text(timeline.duration)}, "
         f"{timeline.checkpoints} save(s)"

@@ -24,13 +24,11 @@ from shoal.boundary import Boundary
 from shoal.cli.common import DEFAULT_JOB, CliError, human_bytes, open_job, stderr_console, stdout_console
 from shoal.config import default_dram_root
 from shoal.engine.fence import WriterRecord, read_writer
-from shoal.engine.hoststate import HostLock, drop_leftover, staged_leftovers
 from shoal.engine.retention import RetentionPlan, apply_retention, latest_step, pack_ids_on, plan_retention
 from shoal.engine.store import list_checkpoints
 from shoal.errors import FormatError, MissingFile, OwnershipError
 from shoal.format import layout
 from shoal.tiers.base import Tier
-from shoal.tiers.dram import DramTier
 
 
 @dataclass(frozen=True)
@@ -96,6 +94,10 @@ def _pack_size(tier: Tier, pack_id: str) -> int:
 
 def run_staged(args: argparse.Namespace) -> int:
     """``shoal gc --staged``: list (and with ``--drop``, drop) what crashed processes left staged in DRAM."""
+    # the DRAM tier imports numpy: only for --staged, so that the parser builds fast
+    from shoal.engine.hoststate import HostLock, drop_leftover, staged_leftovers
+    from shoal.tiers.dram import DramTier
+
     root = args.dram or default_dram_root()
     job = args.job or DEFAULT_JOB
     out, err = stdout_console(), stderr_console()

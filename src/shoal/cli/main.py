@@ -40,7 +40,8 @@ examples:
   shoal verify --shared s3://bucket/run --job job42 --storage-options '{"anon": false}'
   shoal gc /lustre/run/job42 --keep-last 3 --dry-run
   shoal export /lustre/run/job42 --format dcp ./job42-dcp
-  shoal export /lustre/run/job42 --format safetensors --strip-prefix model. ./hf
+  shoal export /lustre/run/job42 --format safetensors ./hf      (the model: the tensors under 'model')
+  shoal export /lustre/run/job42 --format safetensors --all ./everything
   shoal exposure job42 --local /nvme/shoal          (host-local: reads the run's event log)
   shoal advise job42 --node-mtbf 8760 --nodes 64 --restart 600 --accelerators-per-node 8
 """
@@ -65,6 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
     # dispatched before parsing (its own argparse takes the rest); listed here for --help
     sub.add_parser("demo", help="run the demo (shoal demo --help for its options)", add_help=False)
     return parser
+
+
+def parse_args(argv: Sequence[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse a command line (not ``demo``'s) as :func:`main` does; SystemExit as argparse raises it.
+
+    argparse takes each positional once: ``export URL --format dcp OUT`` leaves ``OUT`` over,
+    which goes to the command's ``intermixed`` list.
+    """
+    parser = parser or build_parser()
+    args, extra = parser.parse_known_args(list(argv))
+    intermixed = getattr(args, "intermixed", None)
+    if extra and intermixed and not any(x.startswith("-") for x in extra):
+        getattr(args, intermixed).extend(extra)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _run_demo(rest: list[str]) -> int:
@@ -143,15 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["demo"]:
         return _run_demo(args_list[1:])
-    parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(args_list)
-        # argparse takes each positional once: `export URL --format dcp OUT` leaves OUT over
-        intermixed = getattr(args, "intermixed", None)
-        if extra and intermixed and not any(x.startswith("-") for x in extra):
-            getattr(args, intermixed).extend(extra)
-        elif extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args = parse_args(args_list)
     except SystemExit as e:  # --help, --version, usage errors
         return _exit_code(e)
     debug = bool(args.debug) or _debug_env()

@@ -40,7 +40,6 @@ from shoal.engine.store import CheckpointInfo, list_checkpoints
 from shoal.errors import CheckpointNotFound, ChecksumMismatch, FormatError, MissingFile, ShoalError
 from shoal.format import layout
 from shoal.format.chunking import expect_digest
-from shoal.format.crosscheck import check_against_dcp
 from shoal.format.manifest import Manifest, PackRecord
 from shoal.format.pack import decode_index
 from shoal.tiers.base import Tier
@@ -194,6 +193,8 @@ def _partial_problem(tier: Tier, m: Manifest, unheld: dict[str, list[int]]) -> P
 
 def _crosscheck(tier: Tier, m: Manifest) -> list[Problem]:
     """The manifest's items must agree with its DCP metadata: kind, dtype, shape and byte size."""
+    from shoal.format.crosscheck import check_against_dcp  # imports torch: only when verify runs
+
     try:
         check_against_dcp(m)
     except FormatError as e:
