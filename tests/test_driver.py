@@ -120,3 +120,44 @@ def test_save_goes_around_dcp_save_only_while_its_logger_reaches_no_one(
         assert ckpt.load(out) == 1
     assert torch.equal(out["w"], state["w"]) and out["counter"].n == 7 and out["extra"] == {"lr": 0.1}
     assert torch.equal(out_model.weight, model.weight) and torch.equal(out_model.bias, model.bias)
+
+
+def _model_and_optimizer_state() -> dict[str, Any]:
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)])
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    return {"model": model.state_dict(), "optim": optim.state_dict(), "extra": {"epoch": 3, "tag": "run"}}
+
+
+class _Opaque:
+    """A class of the user's: the safe unpickler refuses it."""
+
+
+def test_an_ordinary_state_is_checked_without_a_trial(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    tried: list[str] = []
+    monkeypatch.setattr(shoal.driver, "_try_value", lambda value, name, where: tried.append(name))
+    flat, _ = flatten_state_dict(_model_and_optimizer_state())
+    shoal.driver.check_loadable(flat, "save(1)")
+    assert tried == []
+    assert isinstance(flat["optim.param_groups.0.params"], list)  # a list of ints: walked, not tried
+
+
+def test_check_loadable_tries_an_unknown_value_once_and_names_it() -> None:
+    saves: list[object] = []
+    real = torch.save
+
+    def counted(obj: object, f: Any, *a: Any, **k: Any) -> None:
+        saves.append(obj)
+        real(obj, f, *a, **k)
+
+    flat = {"w": torch.ones(2), "extra.items": [1, "a", (2.5, None)], "extra.thing": _Opaque()}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(shoal.driver.torch, "save", counted)
+        with pytest.raises(shoal.UnsupportedValue, match=r"^save\(4\): the value at 'extra\.thing' \(a "):
+            shoal.driver.check_loadable(flat, "save(4)")
+    assert len(saves) == 1 and isinstance(saves[0], _Opaque)
+    with torch.serialization.safe_globals([_Opaque]):
+        shoal.driver.check_loadable(flat, "save(4)")  # allowed: accepted after its trial

@@ -54,7 +54,8 @@ def _config(roots: tuple[pathlib.Path, pathlib.Path], name: str, **overrides: An
 
 
 def _save(roots: tuple[pathlib.Path, pathlib.Path], state: dict[str, Any]) -> None:
-    with shoal.Checkpointer(_config(roots, "writer")) as ckpt:
+    # allow_pickle: the writer saves what the default load refuses (shoal refuses it at save otherwise)
+    with shoal.Checkpointer(_config(roots, "writer", allow_pickle=True)) as ckpt:
         ckpt.save(1, state).wait(shoal.Boundary.RESTARTABLE, timeout=60)
 
 

@@ -8,7 +8,12 @@ reports each durability boundary as it is reached::
     ckpt = shoal.Checkpointer(shoal.Config(shared="/lustre/run", job="run-42"))
     handle = ckpt.save(100, {"model": model.state_dict()})   # returns at B1
     handle.wait(shoal.Boundary.RESTARTABLE)
-    ckpt.load({"model": model.state_dict()})                  # newest committed step
+    step = ckpt.load({"model": model.state_dict()})           # newest restorable checkpoint
+
+``load`` with no step loads the newest *restorable* checkpoint, which may be newer than the one
+``LATEST`` names: one that reached B2 or B3 but was not committed, or one still whole in the job's
+DRAM slabs. An uncommitted checkpoint it loads is healed (saved again, so that it reaches B4)
+unless ``heal=False``; pass ``step=ckpt.latest()`` for the newest committed one.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ from shoal.errors import (
     ShoalError,
     StateMismatch,
     TierError,
+    UnknownConfigField,
     UnsupportedFormat,
+    UnsupportedValue,
 )
 
 if TYPE_CHECKING:
@@ -77,7 +84,9 @@ __all__ = [
     "ShoalError",
     "StateMismatch",
     "TierError",
+    "UnknownConfigField",
     "UnsupportedFormat",
+    "UnsupportedValue",
     "__version__",
     "dcp",
 ]

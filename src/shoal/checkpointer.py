@@ -14,18 +14,21 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import stat
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from shoal import dcp as shoal_dcp
 from shoal.boundary import Boundary
-from shoal.config import Config
-from shoal.driver import load_state, save_state
+from shoal.config import Config, default_dram_root, default_local_root
+from shoal.driver import check_state, load_state, save_state
 from shoal.engine.handle import SaveHandle
 from shoal.engine.path import PathPolicy
 from shoal.engine.restore import LoadReport, sources_in
 from shoal.engine.runtime import Runtime
+from shoal.errors import ConfigError
 from shoal.format import layout
 from shoal.group.topology import Topology
 from shoal.model.exposure import Exposure
@@ -52,6 +55,8 @@ class Checkpointer:
     """
 
     def __init__(self, config: Config, *, path_policy: PathPolicy | None = None) -> None:
+        if isinstance(config, Config):  # (anything else: the runtime says what it needs)
+            check_roots(config)
         self.runtime = Runtime(config, path_policy=path_policy)
         """The engine this Checkpointer drives (shared with ``shoal.dcp``'s writer and reader)."""
         self.last_load: LoadReport | None = None
@@ -125,15 +130,34 @@ class Checkpointer:
         (``Config.on_busy="wait"``, time counted in the handle's B1 time) or returns a
         skipped handle (``"skip"``, decided by all ranks together).
 
+        ``state_dict`` is a mapping of names to tensors and values, nested as deep as needed
+        (``{"model": model.state_dict(), "optim": optimizer.state_dict(), "epoch": 3}``); a value
+        with a ``state_dict()`` method is saved as what it returns. A value that is neither a
+        tensor nor such a container is saved with ``torch.save`` and, by default, loaded back with
+        ``torch.load(weights_only=True)``, which refuses classes it was not told to trust. Such
+        a value is therefore refused *here*, before anything is staged, not at a load months
+        later (a checkpoint that cannot be loaded without turning safety off is not a
+        checkpoint): the :class:`~shoal.errors.UnsupportedValue` names its key and class and
+        the ways out: ``torch.serialization.add_safe_globals([TheClass])`` before saving and
+        loading, or ``Config(allow_pickle=True)`` where whoever can write the checkpoints is
+        trusted. With ``Config.allow_pickle`` nothing is checked. Plain values (numbers,
+        strings, ``None``, dtypes, devices, and lists, tuples and dicts of them) are accepted on
+        sight; anything else is tried once, saved and loaded back in memory.
+
         Raises:
             CheckpointExists: ``step`` is committed on the shared tier or in flight.
-            InvalidName: an item name is unsafe (``..`` segment, absolute path, NUL).
+            UnsupportedValue: ``state_dict`` is not a mapping; a value cannot be serialised, or
+                (unless ``Config.allow_pickle``) would be refused by the default load.
+            InvalidName: an item name is unsafe (``..`` segment, absolute path, NUL), or two
+                entries of the state flatten to one name (``1`` and ``"1"``, ``"a.b"`` and ``a``/``b``).
             InsufficientMemory: the DRAM tier cannot hold the state.
         """
         started = time.perf_counter()
         rt = self.runtime
         rt.check_open()
         layout.check_step(step)
+        check_state(state_dict, f"save({step})")
+        rt.enter_collective(f"save({step})")
         rt.resolve_undecided(f"save({step}) was called")
         if rt.agree_to_skip(step):
             handle = SaveHandle(step, started=started, skipped=True)
@@ -154,7 +178,9 @@ class Checkpointer:
         return handle
 
     # -- load ----------------------------------------------------------------
-    def load(self, state_dict: Mapping[str, Any], step: int | None = None, *, heal: bool = True) -> int:
+    def load(
+        self, state_dict: Mapping[str, Any], step: int | None = None, *, heal: bool = True, cast: bool = False
+    ) -> int:
         """Load checkpoint ``step`` (None: the newest restorable) into ``state_dict`` in place (collective).
 
         The job takes an inventory of what survives (this job's DRAM slabs, every host's
@@ -172,17 +198,28 @@ class Checkpointer:
         holds are not written again) and commits it. :attr:`last_heal` is that save's handle;
         ``load`` returns at its B1. A partial load (some items not read) is never healed.
 
+        ``cast``: allow a stored tensor to be cast to its target's dtype; otherwise a dtype
+        mismatch raises :class:`~shoal.errors.StateMismatch`. A target tensor of another shape
+        than the stored one always does (before anything is read).
+
         Raises:
             CheckpointNotFound: nothing restorable (or no such step); says what is missing.
+            StateMismatch: a target tensor's shape (or, without ``cast``, dtype) is not the stored
+                one's, or a stored tensor's target is no tensor (names key, stored and target).
+            UnsupportedValue: ``state_dict`` is not a mapping.
             ChecksumMismatch: every copy of a chunk is corrupt (names item, packs, offsets).
             RestoreFailed: a chunk could not be read from any copy (names every place tried).
         """
         rt = self.runtime
         rt.check_open()
+        if step is not None:
+            layout.check_step(step)
+        check_state(state_dict, "load()" if step is None else f"load(step {step})")
+        rt.enter_collective(f"load({step})")
         t0 = time.perf_counter()
         # Chosen here, not inside dcp.load, so a missing checkpoint raises CheckpointNotFound as itself.
         restore = rt.begin_restore(step)
-        reader = shoal_dcp.StorageReader(self, _restore=restore)
+        reader = shoal_dcp.StorageReader(self, _restore=restore, cast=cast)
         target = state_dict if isinstance(state_dict, dict) else dict(state_dict)
         load_state(target, reader, no_dist=self.world_size == 1)
         report = restore.report
@@ -251,3 +288,62 @@ class Checkpointer:
             self.close()
         except Exception as e:  # pragma: no cover - interpreter shutdown
             log.warning("shoal: close at exit failed: %s", e)
+
+
+def _local_path(url: str) -> str | None:
+    """The directory of a root on a local or mounted file system (a path, ``file://``), or None (``s3://``)."""
+    if url.startswith("file://"):
+        return url[len("file://") :]
+    return None if "://" in url else url
+
+
+def check_roots(config: Config) -> None:
+    """Refuse a root of ``config`` that cannot be a directory, in one line naming the field (not collective).
+
+    A root (``shared`` on a file system, ``local``, ``dram``, or their defaults) that is a file or
+    lies below a file, and a host root that cannot be created or written, is a
+    :class:`~shoal.errors.ConfigError` naming the field, the path and the way out. A shared root
+    that is merely unwritable is left to the runtime, which can continue from host copies when
+    shared storage is down.
+    """
+    roots = (
+        ("shared", _local_path(config.shared), False),
+        ("local", _local_path(config.local or default_local_root()), True),
+        ("dram", _local_path(config.dram or default_dram_root()), True),
+    )
+    for name, root, written in roots:
+        if root is not None:
+            _check_root(f"Config.{name}", os.path.abspath(root), os.path.join(root, config.job), written)
+
+
+def _check_root(field: str, root: str, job_dir: str, written: bool) -> None:
+    """See :func:`check_roots`: the nearest existing level of ``job_dir`` (under ``root``) is checked."""
+    path = os.path.abspath(job_dir)
+    while True:
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            parent = os.path.dirname(path)
+            if parent == path:
+                return
+            path = parent
+            continue
+        except OSError:  # unreachable (a dead mount): the tiers say what is wrong
+            return
+        break
+    way_out = "point it at a directory (it is created if missing)"
+    if not stat.S_ISDIR(st.st_mode):
+        what = "a file" if stat.S_ISREG(st.st_mode) else "no directory"
+        if path == root:
+            raise ConfigError(f"{field}: {root} is {what}, not a directory; {way_out}")
+        if len(path) < len(root):
+            raise ConfigError(f"{field}: {root} is below {path}, which is {what}, not a directory; {way_out}")
+        raise ConfigError(
+            f"{field}: {path} (the job's directory under {root}) is {what}, not a directory; "
+            "remove it, or choose another Config.job"
+        )
+    if written and not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{field}: {root} cannot be used: {path} is not writable by uid {os.geteuid()}; "
+            "point it at a directory you can write (it is created if missing)"
+        )

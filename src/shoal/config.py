@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
 import os
 import socket
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from shoal.errors import ConfigError, InvalidName
+from shoal.errors import ConfigError, InvalidName, UnknownConfigField
 from shoal.format.chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from shoal.format.names import check_identifier
 
@@ -196,3 +198,39 @@ class Config:
         if self.host_id is None:
             raise ConfigError("Config.host_id is not resolved; call Config.resolved() first")
         return os.path.join(root, self.job, self.host_id)
+
+
+FIELDS = tuple(f.name for f in fields(Config))
+"""Config's field names, in order."""
+
+
+def unknown_fields_message(names: list[str]) -> str:
+    """``Config has no field 'keep_lst'; did you mean 'keep_last'? (fields: ...)`` for ``names``."""
+    close = {n: difflib.get_close_matches(n, FIELDS, n=1, cutoff=0.6) for n in names}
+    listed = f"(fields: {', '.join(FIELDS)})"
+    if len(names) == 1:
+        (name,) = names
+        guess = f"; did you mean {close[name][0]!r}?" if close[name] else ""
+        return f"Config has no field {name!r}{guess} {listed}"
+    parts = [f"{n!r}" + (f" (did you mean {close[n][0]!r}?)" if close[n] else "") for n in names]
+    return f"Config has no fields {', '.join(parts)} {listed}"
+
+
+def _checked_init(init: Any) -> Any:
+    """``init`` (the dataclass's ``__init__``), refusing a keyword that is no field with the closest one.
+
+    Wrapped after the class is made, so type checkers still see the dataclass's own signature;
+    ``dataclasses.replace`` goes through it too.
+    """
+
+    @functools.wraps(init)
+    def __init__(self: Config, *args: Any, **kwargs: Any) -> None:
+        unknown = [k for k in kwargs if k not in FIELDS]
+        if unknown:
+            raise UnknownConfigField(unknown_fields_message(unknown))
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+Config.__init__ = _checked_init(Config.__init__)  # type: ignore[method-assign]

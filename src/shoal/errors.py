@@ -60,6 +60,13 @@ class ConfigError(ShoalError, ValueError):
     """A ``shoal.Config`` value is invalid; the message names the field."""
 
 
+class UnknownConfigField(ConfigError, TypeError):
+    """A ``shoal.Config`` keyword that is no field of it (a misspelling); names the closest field.
+
+    Also a ``TypeError``, what Python raises for an unexpected keyword argument.
+    """
+
+
 class OwnershipError(ShoalError, PermissionError):
     """A host-tier path, lock or file is not this process's to use.
 
@@ -112,6 +119,7 @@ __all__ = [
     "StateError",
     "StateMismatch",
     "TierError",
+    "UnknownConfigField",
     "UnsupportedFormat",
     "UnsupportedValue",
     "WriterFenced",
