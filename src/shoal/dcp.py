@@ -641,7 +641,7 @@ _REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 _UNPICKLER_ERROR = re.compile(r"WeightsUnpickler error:\s*([^\n]+)")
 
 
-def _refusal(message: str) -> str:
+def refusal_reason(message: str) -> str:
     """What torch's (long, multi-line) weights-only refusal says was wrong, in a few words."""
     found = _REFUSED_GLOBAL.search(message)
     if found:
@@ -671,7 +671,7 @@ def _safe_payload(data: bytes | bytearray | memoryview, key: str, step: int) -> 
     except pickle.UnpicklingError as e:
         raise FormatError(
             f"item {key!r} of step {step}: the safe unpickler (torch.load(weights_only=True)) refuses it: "
-            f"{_refusal(str(e))}. If you trust whoever could write this checkpoint, load it with "
+            f"{refusal_reason(str(e))}. If you trust whoever could write this checkpoint, load it with "
             "shoal.Config(allow_pickle=True) (unsafe: unpickling runs code the writer chose), "
             "or allow its class with torch.serialization.add_safe_globals"
         ) from e

@@ -515,20 +515,20 @@ class Runtime:
             self._calls += 1
             number = self._calls
         timeout = self.config.collective_timeout
+
+        def late(missing: list[int]) -> str:
+            return (
+                f"ranks {missing} of {self.world_size} did not call {call} within {timeout:.0f} s "
+                "(Config.collective_timeout)"
+            )
+
         arrival = self._board.arrive(
-            f"call/{number}", self.rank, self.world_size, timeout, call=call
+            f"call/{number}", self.rank, self.world_size, timeout, call=call, late=late
         )
         if arrival.complete:
             return
-        if arrival.missing:
-            why = (
-                f"ranks {arrival.missing} of {self.world_size} did not call {call} within "
-                f"{timeout:.0f} s (Config.collective_timeout)"
-            )
-        else:
-            why = str(arrival.closed).removeprefix("closed: ")
         raise CollectiveMismatch(
-            f"rank {self.rank}: {call} failed before it began: {why}. {call.split('(')[0]}() is "
+            f"rank {self.rank}: {call} failed before it began: {arrival.note}. {call.split('(')[0]}() is "
             "collective: every rank must call it, with the same arguments and in the same order "
             "(not under `if rank == 0:`)"
         )
@@ -545,14 +545,19 @@ class Runtime:
         """
         if self._board is None:
             return None
-        arrival = self._board.arrive(f"load/{sequence}/{phase}", self.rank, self.world_size, timeout)
-        if arrival.missing:
+        arrival = self._board.arrive(
+            f"load/{sequence}/{phase}",
+            self.rank,
+            self.world_size,
+            timeout,
+            late=lambda missing: f"ranks {missing} did not reach {phase} of this load within {timeout:.0f} s",
+        )
+        if arrival.late:
             raise RestoreFailed(
-                f"ranks {arrival.missing} did not reach {phase} of this load within {timeout:.0f} s "
-                "(their dcp.load failed before it, or they did not call it: every rank must); "
-                "nothing was read, and the next load can go ahead"
+                f"{arrival.note} (their dcp.load failed before it, or they did not call it: every "
+                "rank must); nothing was read, and the next load can go ahead"
             )
-        return arrival.closed
+        return None if arrival.complete else arrival.note
 
     def abandon(self, sequence: int, phase: str, error: BaseException) -> None:
         """This rank failed ``phase`` of the ``sequence``-th load before reaching it: tell the others.

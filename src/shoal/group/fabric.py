@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 _OPEN = "open"
+_CLOSED = "closed: "
+_LATE = "late: "
 
 
 @dataclass(frozen=True)
@@ -29,11 +31,22 @@ class Arrival:
     missing: list[int]
     """Ranks that had not arrived when the wait ran out (the arriving rank closed the gate)."""
     closed: str | None
-    """The gate's note when it was closed (``"closed: ..."``): a rank failed, timed out or differs."""
+    """The gate's note when it was closed: ``"closed: ..."`` (a rank failed, or made another call)
+    or ``"late: ..."`` (a rank waited ``timeout`` for the others)."""
 
     @property
     def complete(self) -> bool:
         return not self.missing and self.closed is None
+
+    @property
+    def late(self) -> bool:
+        """Whether the arrival ended because some rank did not come in time (here or on another rank)."""
+        return bool(self.missing) or (self.closed or "").startswith(_LATE)
+
+    @property
+    def note(self) -> str:
+        """The closing note without its kind (empty when complete)."""
+        return (self.closed or "").removeprefix(_LATE).removeprefix(_CLOSED)
 
 
 class Board:
@@ -64,7 +77,14 @@ class Board:
         return bytes(got).decode() if not isinstance(got, str) else got
 
     def arrive(
-        self, key: str, rank: int, world_size: int, timeout: float, *, call: str | None = None
+        self,
+        key: str,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        *,
+        call: str | None = None,
+        late: Callable[[list[int]], str] | None = None,
     ) -> Arrival:
         """Wait (without a collective) until every rank arrived at ``key``, or the arrival was closed.
 
@@ -73,7 +93,8 @@ class Board:
         everyone who arrives later, then gets the note at once instead of waiting ``timeout``.
         With ``call`` (what this rank is doing, e.g. ``"save(5)"``), the first rank's call is
         kept and a rank that arrives with another closes the gate, naming both. A rank missing
-        at ``timeout`` closes the gate too, so the ranks that come later fail alike.
+        at ``timeout`` closes the gate too, so the ranks that come later fail alike; ``late``
+        words its note from the missing ranks.
 
         Never starts a collective, so a rank that never comes leaves none half done. Every
         arrival costs a few store round trips, then one a poll: from 1 ms apart, backing off to
@@ -94,7 +115,8 @@ class Board:
         while not self._store.check([gate]):
             if time.monotonic() >= deadline:
                 missing = [r for r in range(world_size) if not self._store.check([f"{key}/r{r}"])]
-                decided = self.close(key, f"ranks {missing} did not arrive within {timeout:.0f} s")
+                note = late(missing) if late else f"ranks {missing} did not arrive within {timeout:.0f} s"
+                decided = self.post(gate, _LATE + note)
                 if decided == _OPEN:  # the last one came just now
                     return Arrival(missing=[], closed=None)
                 return Arrival(missing=missing, closed=decided)
@@ -105,7 +127,7 @@ class Board:
 
     def close(self, key: str, note: str) -> str:
         """Close the arrival at ``key`` with ``note`` unless its gate was decided; return the decision."""
-        return self.post(f"{key}/gate", f"closed: {note}")
+        return self.post(f"{key}/gate", _CLOSED + note)
 
     def peek(self, key: str) -> str | None:
         """The decision under ``key``, or None if none was posted yet (never blocks)."""
