@@ -369,3 +369,19 @@ def test_save_and_load_enter_the_collective_after_their_argument_checks(config, 
         ckpt.load({"w": torch.zeros(3)})
         ckpt.load({"w": torch.zeros(3)}, step=1)
     assert calls == ["save(1)", "load(None)", "load(1)"]
+
+
+def test_a_target_key_the_checkpoint_does_not_hold_is_named_with_the_closest_stored_one(config):
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(1, {"model": {"weight": torch.ones(3), "bias": torch.zeros(3)}}).wait(
+            shoal.Boundary.RESTARTABLE, timeout=60
+        )
+        target = {"model": {"weight": torch.empty(3), "bais": torch.empty(3)}}
+        with pytest.raises(shoal.StateMismatch) as info:
+            ckpt.load(target)
+        message = str(info.value)
+        assert "'model.bais'" in message and "did you mean 'model.bias'?" in message, message
+        assert "'model.weight'" in message and "leave those entries out" in message, message
+        fitting = {"model": {"weight": torch.empty(3)}}  # a partial target loads what it names
+        assert ckpt.load(fitting, heal=False) == 1
+        assert torch.equal(fitting["model"]["weight"], torch.ones(3))

@@ -14,27 +14,25 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
-import stat
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from shoal import dcp as shoal_dcp
 from shoal.boundary import Boundary
-from shoal.config import Config, default_dram_root, default_local_root
+from shoal.config import Config
 from shoal.driver import check_state, load_state, save_state
 from shoal.engine.handle import SaveHandle
 from shoal.engine.path import PathPolicy
 from shoal.engine.restore import LoadReport, sources_in
 from shoal.engine.runtime import Runtime
-from shoal.errors import ConfigError
 from shoal.format import layout
 from shoal.group.topology import Topology
 from shoal.model.exposure import Exposure
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
 from shoal.tiers.local import PosixTier
+from shoal.tiers.roots import check_host_roots
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +54,7 @@ class Checkpointer:
 
     def __init__(self, config: Config, *, path_policy: PathPolicy | None = None) -> None:
         if isinstance(config, Config):  # (anything else: the runtime says what it needs)
-            check_roots(config)
+            check_host_roots(config)
         self.runtime = Runtime(config, path_policy=path_policy)
         """The engine this Checkpointer drives (shared with ``shoal.dcp``'s writer and reader)."""
         self.last_load: LoadReport | None = None
@@ -288,62 +286,3 @@ class Checkpointer:
             self.close()
         except Exception as e:  # pragma: no cover - interpreter shutdown
             log.warning("shoal: close at exit failed: %s", e)
-
-
-def _local_path(url: str) -> str | None:
-    """The directory of a root on a local or mounted file system (a path, ``file://``), or None (``s3://``)."""
-    if url.startswith("file://"):
-        return url[len("file://") :]
-    return None if "://" in url else url
-
-
-def check_roots(config: Config) -> None:
-    """Refuse a root of ``config`` that cannot be a directory, in one line naming the field (not collective).
-
-    A root (``shared`` on a file system, ``local``, ``dram``, or their defaults) that is a file or
-    lies below a file, and a host root that cannot be created or written, is a
-    :class:`~shoal.errors.ConfigError` naming the field, the path and the way out. A shared root
-    that is merely unwritable is left to the runtime, which can continue from host copies when
-    shared storage is down.
-    """
-    roots = (
-        ("shared", _local_path(config.shared), False),
-        ("local", _local_path(config.local or default_local_root()), True),
-        ("dram", _local_path(config.dram or default_dram_root()), True),
-    )
-    for name, root, written in roots:
-        if root is not None:
-            _check_root(f"Config.{name}", os.path.abspath(root), os.path.join(root, config.job), written)
-
-
-def _check_root(field: str, root: str, job_dir: str, written: bool) -> None:
-    """See :func:`check_roots`: the nearest existing level of ``job_dir`` (under ``root``) is checked."""
-    path = os.path.abspath(job_dir)
-    while True:
-        try:
-            st = os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            parent = os.path.dirname(path)
-            if parent == path:
-                return
-            path = parent
-            continue
-        except OSError:  # unreachable (a dead mount): the tiers say what is wrong
-            return
-        break
-    way_out = "point it at a directory (it is created if missing)"
-    if not stat.S_ISDIR(st.st_mode):
-        what = "a file" if stat.S_ISREG(st.st_mode) else "no directory"
-        if path == root:
-            raise ConfigError(f"{field}: {root} is {what}, not a directory; {way_out}")
-        if len(path) < len(root):
-            raise ConfigError(f"{field}: {root} is below {path}, which is {what}, not a directory; {way_out}")
-        raise ConfigError(
-            f"{field}: {path} (the job's directory under {root}) is {what}, not a directory; "
-            "remove it, or choose another Config.job"
-        )
-    if written and not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"{field}: {root} cannot be used: {path} is not writable by uid {os.geteuid()}; "
-            "point it at a directory you can write (it is created if missing)"
-        )

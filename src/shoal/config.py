@@ -23,12 +23,12 @@ ENV_HOST_ID = "SHOAL_HOST_ID"
 
 
 def default_local_root() -> str:
-    """``<tmp>/shoal-local-<uid>``: private to this user (DESIGN.md section 11)."""
+    """``<tmp>/shoal-local-<uid>``: private to this user (docs/design.md section 11)."""
     return os.path.join(tempfile.gettempdir(), f"shoal-local-{os.geteuid()}")
 
 
 def default_dram_root() -> str:
-    """``/dev/shm/shoal-<uid>``: private to this user (DESIGN.md section 11)."""
+    """``/dev/shm/shoal-<uid>``: private to this user (docs/design.md section 11)."""
     return f"/dev/shm/shoal-{os.geteuid()}"
 
 

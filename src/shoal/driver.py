@@ -15,6 +15,7 @@ manager API:
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import io
@@ -197,6 +198,20 @@ def _check_shapes(state: Mapping[str, Any], metadata: Metadata, where: str) -> N
     """Refuse a target tensor whose (global) shape is not its stored tensor's, or a non-tensor
     target of a stored tensor: :class:`~shoal.errors.StateMismatch` naming key, stored and target."""
     stored = metadata.state_dict_metadata
+    absent = [fqn for fqn in state if fqn not in stored]
+    if absent:
+        held = sorted(stored)
+        near = difflib.get_close_matches(absent[0], held, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        shown = ", ".join(repr(k) for k in held[:8])
+        if len(held) > 8:
+            shown += f", ... ({len(held)} in all)"
+        raise StateMismatch(
+            f"{where}: the target has {len(absent)} item(s) the checkpoint does not hold: "
+            f"{', '.join(repr(k) for k in absent[:5])}{'...' if len(absent) > 5 else ''}{hint}; it holds "
+            f"{shown or 'nothing'}. Load a state with the saved names (keys joined with '.'), or leave "
+            "those entries out of the target"
+        )
     for fqn, obj in state.items():
         md = stored.get(fqn)
         if not isinstance(md, TensorStorageMetadata):

@@ -73,6 +73,7 @@ from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
 from shoal.tiers.local import PosixTier
 from shoal.tiers.roles import Role, check_role_kind, open_role
+from shoal.tiers.roots import check_shared_root
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,8 @@ class Runtime:
         """Handles of recent saves, until they finish: the newest B4 supersedes leftovers."""
         self._committed: set[int] = set()
         self._warmer: threading.Thread | None = None
-        self._board = Board.for_job(f"shoal/{run}/")
+        board = Board.for_job(f"shoal/{run}/")
+        self._board = board.scoped(self.rank) if board is not None else None
         """Decisions every rank reads without a collective (the gates of saves through DCP)."""
         self._dcp_saves = 0
         self._dcp_loads = 0
@@ -259,6 +261,7 @@ class Runtime:
         shared tier's error is raised on every rank, naming the shared root.
         """
         message: tuple[str | None, str | None] = (None, None)
+        bad_root = False  # the error is the shared root's own (a file): a ConfigError on every rank
         if self.rank == 0:
             try:
                 message = (claim_shared_run(self.shared, cfg.shared_url(), cfg.job).run, None)
@@ -279,13 +282,17 @@ class Runtime:
                         f"cannot use the shared root {cfg.shared!r} for job {cfg.job!r}: recording the "
                         f"run at {self.shared.url}/{layout.RUN} failed: {type(e).__name__}: {e}",
                     )
+                    try:
+                        check_shared_root(cfg)
+                    except ConfigError as bad:  # a root that is a file: said in one line instead
+                        message, bad_root = (None, str(bad)), True
         if self.world_size > 1:
-            box: list[Any] = [message]
+            box: list[Any] = [(message, bad_root)]
             dist.broadcast_object_list(box, src=0)
-            message = box[0]
+            message, bad_root = box[0]
         run, error = message
         if error is not None or run is None:
-            raise TierError(error or "no run id")
+            raise (ConfigError if bad_root else TierError)(error or "no run id")
         return run
 
     def in_flight_steps(self) -> list[int]:

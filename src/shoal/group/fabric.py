@@ -71,6 +71,17 @@ class Board:
         default = dist.distributed_c10d._get_default_store()
         return cls(dist.PrefixStore(prefix, default))
 
+    def scoped(self, rank: int) -> Board:
+        """This board under a prefix of its own for the next user on this rank (every rank alike).
+
+        Each rank counts the users it opened on the board (one ``Runtime`` each, built
+        collectively, so the count is the same on every rank): the keys of a closed
+        Checkpointer's arrivals and gates, which stay on the store, are never met again by the
+        next one of the same run.
+        """
+        opened = int(self._store.add(f"opened/r{rank}", 1))
+        return Board(dist.PrefixStore(f"o{opened}/", self._store))
+
     def post(self, key: str, value: str) -> str:
         """Post ``value`` under ``key`` unless a decision is there already; return the decision."""
         got = self._store.compare_set(key, "", value)

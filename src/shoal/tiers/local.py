@@ -9,7 +9,7 @@ Temporary files are never listed, and names that look like them are refused.
 Reads go straight into the caller's buffer (``os.preadv``); no tier method
 concatenates the parts of a write.
 
-Host tiers are private (DESIGN.md section 11): every directory the tier creates is
+Host tiers are private (docs/design.md section 11): every directory the tier creates is
 0700 and every file 0600; a directory on the way from the tier's *trusted base* (the
 configured root, e.g. ``/dev/shm/shoal-<uid>``) to the tier root that already exists
 must be a real directory (not a symlink), owned by this user and writable by nobody
