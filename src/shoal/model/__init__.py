@@ -1,4 +1,4 @@
-"""The completion-time model (DESIGN.md section 7): pure math over plain numbers, no I/O.
+"""The completion-time model (docs/design.md section 7): pure math over plain numbers, no I/O.
 
 * :mod:`shoal.model.writers`: per-writer time on a tier, ln T = ln(S / b_eff) + g + e, fitted by
   maximum likelihood (lognormal or gamma writers, chosen by BIC); the typical writer and the

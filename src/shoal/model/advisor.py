@@ -4,7 +4,7 @@ Pure math over plain numbers (no I/O, no torch). A training job measures, per ch
 
 * ``C`` -- the **stall** ``C_b``: seconds training is blocked by one save (the blocking stage).
   If the background write measurably slows the steps that overlap it, add that slowdown here
-  (DESIGN.md's ``C_eff``); it is time lost on every checkpoint, failure or not.
+  (``C_eff`` in docs/design.md section 7); it is time lost on every checkpoint, failure or not.
 * ``L`` -- the **lag** to a boundary: seconds from the save call until the checkpoint is safe
   against one failure class (B2 for a host failure, B3 for the cluster), ``L >= C_b``.
 * ``R`` -- the **restart**: seconds from a failure until training runs again (reschedule, reload).
@@ -21,7 +21,7 @@ checkpoint. To first order the waste fraction is therefore::
 
 whose minimum is Young's ``P = sqrt(2 C M)``, independent of the lag. Daly's exact expected wall
 time for exponential failures takes the lag as part of the restart, ``R' = R + (L - C_b)``
-(DESIGN.md section 7)::
+(docs/design.md section 7)::
 
     T_w = M exp(R' / M) (exp((P + C) / M) - 1) T_s / P,    waste = 1 - T_s / T_w
 
@@ -140,7 +140,7 @@ def daly_interval(stall_s: float, mtbf_s: float) -> float:
 def first_order_waste(
     interval_s: float, stall_s: float, lag_s: float, restart_s: float, mtbf_s: float
 ) -> float:
-    """First-order waste fraction ``C/P + (P/2 + (L - C_b) + R) / M`` (DESIGN.md section 7).
+    """First-order waste fraction ``C/P + (P/2 + (L - C_b) + R) / M`` (docs/design.md section 7).
 
     ``C`` and ``C_b`` are both the stall; ``L - C_b`` is the window after a save returns in which
     a failure still rolls back one more interval. Good while ``P``, ``L`` and ``R`` are small

@@ -1,4 +1,4 @@
-"""How well a model predicts: forward splits, point errors and quantile scores (DESIGN.md section 7).
+"""How well a model predicts: forward splits, point errors and quantile scores (docs/design.md section 7).
 
 Pure functions over plain numbers. A forward split keeps time order (fit on the past, predict
 the future), as a running job would; a random split would let the model see the weather it is

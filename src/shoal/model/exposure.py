@@ -1,4 +1,4 @@
-"""Rollback exposure: how much training a failure of each class would throw away (DESIGN.md section 3).
+"""Rollback exposure: how much training a failure of each class would throw away (docs/design.md section 3).
 
 Pure math over plain numbers (no I/O, no torch, no event log). A failure of class ``c`` rolls
 training back to the newest checkpoint that had reached the boundary protecting against ``c``:

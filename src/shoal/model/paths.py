@@ -1,4 +1,4 @@
-"""Time to B2 by each durability path, predicted from a job's own checkpoints (DESIGN.md section 7).
+"""Time to B2 by each durability path, predicted from a job's own checkpoints (docs/design.md section 7).
 
 A checkpoint's time to B2 (safe against a host failure), from the save call, is three parts:
 
