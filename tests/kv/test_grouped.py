@@ -41,7 +41,7 @@ def two_hosts(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     gw.seed_dram(root, "h0", IN_H0_DRAM)
     batches = [BATCH0, [LATE_BATCH] * 4]
     kwargs = {"root": root, "batches": batches, "past_deadline": [[], [1]]}
-    return run_ranks(gw.grouped_batches, hosts=TWO_HOSTS, kwargs=kwargs, timeout=90)
+    return run_ranks(gw.grouped_batches, hosts=TWO_HOSTS, kwargs=kwargs, timeout=300)  # generous: busy hosts
 
 
 def _batch(ranks: list[dict[str, Any]], b: int) -> dict[tuple[int, int], tuple[Any, ...]]:
@@ -136,7 +136,7 @@ def test_bytes_damaged_on_the_fabric_are_a_miss_at_the_receiver_never_served(tmp
     gw.seed_shared(root, [*blocks, 56, 57])
     batches = [[blocks] * 3, [[], [56], [57]]]
     kwargs = {"root": root, "batches": batches, "tamper_rank": 0}
-    ranks = run_ranks(gw.grouped_batches, hosts=["h0", "h0", "h0"], kwargs=kwargs, timeout=90)
+    ranks = run_ranks(gw.grouped_batches, hosts=["h0", "h0", "h0"], kwargs=kwargs, timeout=300)
     got = _batch(ranks, 0)
     sources = _sources(ranks, 0, [blocks] * 3)
     assert {sources[(0, i)] for i in blocks} == {0, 1, 2}, "three readers share six blocks"

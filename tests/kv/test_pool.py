@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from shoal.errors import ConfigError, InsufficientMemory
-from shoal.kv import KVConfig, KVEvent, KVStore
-from shoal.kv.blockfile import encode_block
+from shoal.kv import KVConfig, KVEvent, KVStore, _index
+from shoal.kv.blockfile import encode_block, encode_header
 from shoal.kv.pool import BLOCKS_DIR, INDEX_NAME, physical_bytes
+from shoal.tiers.local import temp_sibling
 
 from .kv_workers import BLOCK, PHYS, disk_bytes, keys, payload, pool_files
 
@@ -70,6 +71,91 @@ def test_capacity_is_never_exceeded_under_a_random_workload(
             _check_capacity(root, cap)
         store.flush(30)
         _check_capacity(root, cap)
+
+
+def test_an_eviction_that_ends_after_its_victim_was_removed_and_put_again_frees_nothing_of_it(
+    shm_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race the random workload above once hit (files on tmpfs over the capacity): the
+    write-back thread claims a block, the caller removes it and puts it again, and the eviction
+    ends while the new copy is being written. Its release used to free the new copy's
+    reservation, so the file landed on tmpfs uncounted. Here the interleaving is forced."""
+    root = shm_path / "pool"
+    cfg = KVConfig(str(root), 4 * PHYS, writeback=False, high_water=1.0)
+    k = keys(1)
+    with KVStore(cfg) as store:
+        store.put_batch(k, [payload(0)])
+        victims = store._pool.index.claim_above(0)  # what the write-back thread does first
+        assert [v.digest for v in victims] == [k[0].digest]
+        store.remove(k)
+        write_file = store._pool.write_file
+
+        def evict_then_write(digest: str, header: bytes, view: memoryview) -> None:
+            store._writeback.evict(victims)  # the eviction ends between the reserve and the file
+            write_file(digest, header, view)
+
+        monkeypatch.setattr(store._pool, "write_file", evict_then_write)
+        assert store.put_batch(k, [payload(0)])[0].stored
+        assert _index_used(root) == (PHYS, PHYS) and disk_bytes(root) == PHYS
+        buf = bytearray(BLOCK)
+        assert store.get_batch_into(k, [buf])[0].tier == "dram" and buf == payload(0)
+
+
+def test_a_remove_while_a_put_of_the_block_is_under_way_leaves_no_file_uncounted(
+    shm_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other race of the random workload: a get that hit a lower tier had the write-back
+    thread put the block back into the pool while the caller removed it. The remove deleted the
+    file before the put renamed its own into place, and freed the row after the put had marked it
+    ready: the put's file stayed on tmpfs, uncounted. Here the put lands between the two."""
+    root = shm_path / "pool"
+    cfg = KVConfig(str(root), 4 * PHYS, writeback=False, high_water=1.0)
+    k = keys(1)
+    view = memoryview(payload(0))
+    with KVStore(cfg) as store:
+        pool = store._pool
+        reservations, _ = pool.index.reserve([(k[0].digest, BLOCK, PHYS)], False)  # the put begins
+        assert reservations[0].outcome == "reserved"
+        unlink = pool.unlink
+
+        def unlink_then_the_put_lands(digest: str) -> None:
+            unlink(digest)
+            pool.write_file(digest, encode_header(digest, view), view)
+            pool.index.mark_ready([(digest, None, 0)])
+
+        monkeypatch.setattr(pool, "unlink", unlink_then_the_put_lands)
+        store.remove(k)
+        assert _index_used(root) == (PHYS, PHYS) and disk_bytes(root) == PHYS  # the put's block, counted
+        buf = bytearray(BLOCK)
+        assert store.get_batch_into(k, [buf])[0].tier == "dram" and buf == payload(0)
+
+
+def test_a_sweep_keeps_the_temporary_file_of_a_put_that_reserved_while_it_ran(
+    shm_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep (a put that finds the pool full runs one) deletes the temporary files no live writer
+    owns. Another thread's put that reserves its row and creates its temporary file while the sweep
+    runs keeps its file: the sweep used to read the live writers before listing the files, and so
+    deleted such a file mid-write (the put's rename then failed, ENOENT, in the random workload)."""
+    cfg = KVConfig(str(shm_path / "pool"), 4 * PHYS, writeback=False, high_water=1.0)
+    digest = keys(1)[0].digest
+    with KVStore(cfg) as store:
+        pool = store._pool
+        started: list[str] = []
+        writers_alive = pool.index.writers_alive
+
+        def a_put_starts_right_after() -> set[str]:
+            live = writers_alive()
+            if not started:  # the other thread's put: its row, then its temporary file
+                reservations, _ = pool.index.reserve([(digest, BLOCK, PHYS)], False)
+                assert reservations[0].outcome == "reserved"
+                started.append(temp_sibling(pool.path(digest)))
+                Path(started[0]).write_bytes(b"a block being written")
+            return live
+
+        monkeypatch.setattr(pool.index, "writers_alive", a_put_starts_right_after)
+        pool.sweep()
+        assert started and os.path.exists(started[0])
 
 
 def test_puts_beyond_capacity_evict_lru_and_write_back_to_local(shm_path: Path, tmp_path: Path) -> None:
@@ -156,17 +242,32 @@ def test_a_batch_touched_or_stored_at_one_instant_is_evicted_tail_first(shm_path
         assert store.lookup_prefix(ks) == 2
 
 
-def test_pinned_blocks_are_not_evicted_and_a_lease_expires(shm_path: Path) -> None:
+class _IndexClock:
+    """The wall clock the index compares leases with, moved on by the test: a lease expires when
+    the test says so, not when a busy machine gets there."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def time(self) -> float:
+        return time.time() + self.ahead
+
+
+def test_pinned_blocks_are_not_evicted_and_a_lease_expires(
+    shm_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = _IndexClock()
+    monkeypatch.setattr(_index, "time", clock)
     cfg = KVConfig(str(shm_path / "pool"), 4 * PHYS, writeback=False, high_water=1.0)
     ks = keys(12)
     with KVStore(cfg) as store:
         store.put_batch(ks[:4], [payload(i) for i in range(4)])
-        lease = store.pin(ks[:2], lease_s=60)
-        short = store.pin(ks[2:3], lease_s=0.3)
+        lease = store.pin(ks[:2], lease_s=3600)
+        short = store.pin(ks[2:3], lease_s=600)
         for i in range(4, 8):
             store.put_batch([ks[i]], [payload(i)])
         assert [store.contains(k) for k in ks[:3]] == ["dram"] * 3
-        time.sleep(0.5)  # the short lease has expired; it no longer pins
+        clock.ahead = 1200  # the short lease has expired; it no longer pins
         for i in range(8, 10):
             store.put_batch([ks[i]], [payload(i)])
         assert store.contains(ks[2]) is None

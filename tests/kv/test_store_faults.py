@@ -4,12 +4,14 @@ blocks on DRAM and local disk, a dead process's lease, and a deadline under a sl
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import time
 from pathlib import Path
 
-from shoal import failpoints
+import pytest
+
 from shoal.kv import KVConfig, KVEvent, KVStore
-from shoal.kv.lower import FP_SHARED_READ, block_path
+from shoal.kv.lower import SharedBlocks, block_path
 
 from . import kv_workers
 from .kv_workers import BLOCK, PHYS, disk_bytes, flip_byte, keys, payload, pool_files
@@ -129,7 +131,9 @@ def test_a_dead_processes_lease_no_longer_pins(shm_path: Path) -> None:
         assert (r.stored, r.tier, r.error) == (True, "dram", None)  # a block was evicted for it
 
 
-def test_a_deadline_is_honoured_under_a_slow_shared_tier(shm_path: Path, tmp_path: Path) -> None:
+def test_a_deadline_is_honoured_under_a_slow_shared_tier(
+    shm_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = KVConfig(str(shm_path / "pool"), 1 * PHYS, shared_url=str(tmp_path / "s"), high_water=1.0)
     ks = keys(4)
     with KVStore(cfg) as store:
@@ -137,19 +141,41 @@ def test_a_deadline_is_honoured_under_a_slow_shared_tier(shm_path: Path, tmp_pat
             store.put_batch([k], [payload(i)])
         store.flush(30)
         assert [store.contains(k) for k in ks] == ["shared"] * 3 + ["dram"]
-        failpoints.configure(f"{FP_SHARED_READ}=delay:3")
-        try:
-            bufs = [bytearray(BLOCK) for _ in ks]
-            start = time.monotonic()
-            results = store.get_batch_into(ks, bufs, deadline=start + 0.3)
-            elapsed = time.monotonic() - start
-        finally:
-            failpoints.configure(None)
+        # A slow shared tier: its reads are held until the test lets them go (after the get
+        # returned), so the get can only have returned at its deadline, whatever the machine's speed.
+        release, lock = threading.Event(), threading.Lock()
+        started: list[str] = []
+        finished: list[str] = []
+        fetch = SharedBlocks.fetch
+
+        def held(self: SharedBlocks, digest: str) -> memoryview | None:
+            with lock:
+                started.append(digest)
+            release.wait(120)  # a get that waited for its reads would wait this long, then fail below
+            try:
+                return fetch(self, digest)
+            finally:
+                with lock:
+                    finished.append(digest)
+
+        monkeypatch.setattr(SharedBlocks, "fetch", held)
+        bufs = [bytearray(BLOCK) for _ in ks]
+        # the deadline only has to outlast the DRAM read of ks[3]; the shared reads never end before it
+        results = store.get_batch_into(ks, bufs, deadline=time.monotonic() + 2.0)
+        with lock:
+            assert finished == []  # returned at the deadline, with every shared read still under way
+        release.set()
         assert [(r.status, r.reason) for r in results[:3]] == [("miss", "deadline")] * 3
         assert results[3].hit and bufs[3] == payload(3)
-        assert elapsed < 2.5  # returned at the deadline, not after the 3 s reads
+        for _ in range(1200):  # the abandoned reads end (those that started): at most 120 s
+            with lock:
+                if len(finished) == len(started):
+                    break
+            time.sleep(0.1)
+        with lock:
+            assert len(finished) == len(started)
         assert all(buf == bytes(BLOCK) for buf in bufs[:3])  # abandoned reads never touch the buffers
-        r = store.get_batch_into(ks[:1], bufs[:1])[0]  # without the delay, the same read hits
+        r = store.get_batch_into(ks[:1], bufs[:1])[0]  # without the hold, the same read hits
         assert r.hit and r.tier == "shared" and bufs[0] == payload(0)
 
 

@@ -97,8 +97,10 @@ class Reservation:
 class BlockIndex:
     """The sqlite index of one host pool (module docstring). Thread-safe (one connection, a lock)."""
 
-    def __init__(self, path: str, capacity: int) -> None:
+    def __init__(self, path: str, capacity: int, blocks_dir: str | None = None) -> None:
         self.path = path
+        self.blocks_dir = blocks_dir
+        """Where the pool's block files are (:meth:`release` looks there); None: it does not look."""
         self.pid = os.getpid()
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
@@ -238,20 +240,45 @@ class BlockIndex:
                 [(READY, now, depth, lower, d, WRITING, self.pid) for d, lower, depth in written],
             )
 
-    def release(self, digests: Iterable[str], *, states: Sequence[int] = (WRITING, EVICTING)) -> int:
-        """Forget pool rows (their files are gone already) and free their bytes; return bytes freed."""
+    def release(
+        self,
+        digests: Iterable[str],
+        *,
+        states: Sequence[int] = (EVICTING,),
+        owners: Collection[int] | None = None,
+    ) -> int:
+        """Forget pool rows whose files are gone (the caller deleted them) and free their bytes;
+        return bytes freed.
+
+        Only rows still in ``states`` (default ``EVICTING``: the victims an eviction claimed) and,
+        with ``owners``, owned by one of them; and a ``READY`` or ``EVICTING`` row only while its
+        block file is absent. The row can change between the caller's unlink and this call, and
+        freeing it then would leave a file on tmpfs uncounted (the pool over its capacity): a
+        victim removed and put again meanwhile (by another thread of this process, so the same
+        owner) is ``WRITING`` or ``READY`` again, or claimed anew; a block removed while a put of
+        it was under way was renamed into place and marked ``READY`` by that put after the unlink.
+        The file's presence is looked at inside the transaction: a put marks its row ``READY``
+        only after its rename, and needs this lock to.
+        """
         freed = 0
         marks = ",".join("?" * len(states))
         with self.transaction() as c:
             for d in digests:
                 row = c.execute(
-                    f"SELECT phys FROM blocks WHERE digest = ? AND state IN ({marks})", (d, *states)
+                    f"SELECT phys, owner, state FROM blocks WHERE digest = ? AND state IN ({marks})",
+                    (d, *states),
                 ).fetchone()
-                if row is not None:
-                    c.execute("DELETE FROM blocks WHERE digest = ?", (d,))
-                    freed += int(row[0])
+                if row is None or (owners is not None and row[1] not in owners):
+                    continue
+                if row[2] != WRITING and self._has_file(d):
+                    continue  # written again since the caller's unlink: its bytes stay counted
+                c.execute("DELETE FROM blocks WHERE digest = ?", (d,))
+                freed += int(row[0])
             _set_meta(c, "used", _meta(c, "used") - freed)
         return freed
+
+    def _has_file(self, digest: str) -> bool:
+        return self.blocks_dir is not None and os.path.lexists(os.path.join(self.blocks_dir, digest))
 
     def unclaim(self, digests: Iterable[str]) -> None:
         """Give claimed victims back (their write-back failed): ``READY`` again, still served."""
@@ -368,23 +395,22 @@ class BlockIndex:
             _set_meta(c, "used", sum(p for _, _, p, _ in pool))
             _set_meta(c, "local_used", sum(p for _, p, _ in local))
 
-    def sweep_dead(self) -> tuple[list[str], list[str]]:
+    def sweep_dead(self) -> tuple[dict[str, int], list[str]]:
         """Drop the leases of dead processes; return the digests a dead process was ``WRITING``
-        (the caller checks their files) and the ones it was ``EVICTING`` (now ``READY`` again)."""
+        (with that process: the caller checks their files, and releases the torn ones only while
+        still that dead writer's) and the ones it was ``EVICTING`` (now ``READY`` again)."""
         owners = [int(r[0]) for r in self._read("SELECT DISTINCT owner FROM leases")]  # type: ignore[call-overload]
         owners += [int(r[0]) for r in self._read("SELECT DISTINCT owner FROM blocks WHERE owner IS NOT NULL")]  # type: ignore[call-overload]
         dead = sorted({o for o in owners if o != self.pid and not pid_alive(o)})
         if not dead:
-            return [], []
+            return {}, []
         marks = ",".join("?" * len(dead))
         with self.transaction() as c:
             c.execute(f"DELETE FROM leases WHERE owner IN ({marks})", dead)
-            writing = [
-                r[0]
-                for r in c.execute(
-                    f"SELECT digest FROM blocks WHERE state = ? AND owner IN ({marks})", (WRITING, *dead)
-                )
-            ]
+            rows = c.execute(
+                f"SELECT digest, owner FROM blocks WHERE state = ? AND owner IN ({marks})", (WRITING, *dead)
+            )
+            writing = {str(r[0]): int(r[1]) for r in rows}
             evicting = [
                 r[0]
                 for r in c.execute(

@@ -31,7 +31,7 @@ from contextlib import suppress
 
 from shoal import failpoints
 from shoal.errors import FormatError, ShoalError, TierError
-from shoal.kv._index import BlockIndex
+from shoal.kv._index import WRITING, BlockIndex
 from shoal.kv.blockfile import HEADER_SIZE, BlockHeader, check_block, parse_header, verify_payload
 from shoal.tiers.local import check_private, ensure_private_dirs, is_temp_name, open_private, temp_sibling
 
@@ -118,7 +118,7 @@ class DramPool:
             if os.path.lexists(path):
                 check_private(path, os.lstat(path), directory=False)
                 try:
-                    index = BlockIndex(path, self.capacity)
+                    index = BlockIndex(path, self.capacity, self.blocks_dir)
                 except sqlite3.DatabaseError as e:
                     log.warning("KV pool index %s is unreadable (%s); rebuilding it from the tiers", path, e)
                     _remove_index(path)
@@ -127,7 +127,7 @@ class DramPool:
                     return index
             else:
                 _remove_index(path)  # a stale -wal/-shm of a deleted index must not be replayed
-            index = BlockIndex(path, self.capacity)
+            index = BlockIndex(path, self.capacity, self.blocks_dir)
             self.rebuild(index, local_scan)
             return index
         finally:
@@ -191,9 +191,15 @@ class DramPool:
                     os.unlink(self.path(digest))
                 torn.append(digest)
         index.adopt(whole)
-        index.release(torn)
+        # only rows still the dead writer's: another sweeper may have released one meanwhile, and
+        # a live process reserved the digest again (its bytes must stay counted)
+        index.release(torn, states=(WRITING,), owners={writing[d] for d in torn})
+        # The listing first, then who is writing: a put reserves its row before it creates its
+        # temporary file, so every temporary file listed whose writer still runs is in ``live``
+        # (read the other way round, a put that reserved between the two lost its file mid-write).
+        entries = _scandir(self.blocks_dir)
         live = index.writers_alive()
-        for entry in _scandir(self.blocks_dir):
+        for entry in entries:
             if is_temp_name(entry.name) and entry.name[1:65] not in live:
                 with suppress(OSError):
                     os.unlink(entry.path)
