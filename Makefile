@@ -24,7 +24,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# ruff, mypy, then the import-layer contract in pyproject.toml ([tool.importlinter], DESIGN.md section 2)
+# ruff, mypy, then the import-layer contract in pyproject.toml ([tool.importlinter], docs/design.md section 2)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from shoal import failpoints
 from shoal.testing.s3 import S3Admin, moto_s3_server
 
 _FAKE_AWS_ENV = {
@@ -75,3 +77,47 @@ def shm_path(tmp_path: Path) -> Iterator[Path]:
 def dram_root(shm_path: Path) -> Path:
     """The DRAM tier root of a test's Checkpointer: a private directory on tmpfs."""
     return shm_path
+
+
+class Hold:
+    """A failpoint of this process that blocks whoever hits it until the test releases it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.reached = threading.Event()
+        """Set once some thread is held here."""
+        self._released = threading.Event()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def wait_released(self) -> None:
+        # generous: it only runs out when a test forgot to release, and then fails that test
+        if not self._released.wait(120):
+            raise RuntimeError(f"failpoint {self.name} was held for 120 s: the test never released it")
+
+
+@pytest.fixture
+def hold_failpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], Hold]]:
+    """``hold(name)``: the failpoint ``name`` blocks until ``.release()``: an event ordered after
+    another by the test, not by a delay a busy machine can outlast. Released at teardown."""
+    holds: dict[str, Hold] = {}
+    real = failpoints.hit
+
+    def hit(name: str, *, rank: int = 0) -> None:
+        held = holds.get(name)
+        if held is not None:
+            held.reached.set()
+            held.wait_released()
+        real(name, rank=rank)
+
+    def hold(name: str) -> Hold:
+        holds[name] = Hold(name)
+        return holds[name]
+
+    monkeypatch.setattr(failpoints, "hit", hit)
+    try:
+        yield hold
+    finally:
+        for held in holds.values():
+            held.release()  # never leave a pipeline thread blocked behind the test

@@ -43,19 +43,19 @@ def test_overlapping_blocks_in_two_threads_pause_until_the_last_ends(enabled: No
     def other() -> None:
         with collector_paused():
             inside.set()
-            leave.wait(10)
+            leave.wait(60)
         left.set()
 
     t = threading.Thread(target=other)
     t.start()
-    assert inside.wait(10)
+    assert inside.wait(60)
     with collector_paused():
         if first_out == "other":
             leave.set()
-            assert left.wait(10)
+            assert left.wait(60)
             assert not gc.isenabled()  # this thread's block is still open
     if first_out == "this":
         assert not gc.isenabled()  # the other thread's block is still open
         leave.set()
-    t.join(10)
+    t.join(60)
     assert gc.isenabled()

@@ -10,15 +10,16 @@ from shoal.testing.checkpoints import make_config
 from shoal.testing.multiproc import run_ranks
 
 HOSTS = ["h0", "h0", "h1", "h1"]
-# Several processes on 2 cores: generous limits, so a busy machine is not a failure.
-pytestmark = pytest.mark.timeout(300)
+# Several processes on 2 cores: generous limits (run_ranks kills its ranks after them), so a busy
+# machine is not a failure; the suite's own timeout is the hang guard.
+LIMIT = 300
 CHUNK = 64 << 10
 
 
 @pytest.fixture(scope="module")
 def dp_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp")
-    return run_ranks(scenarios.save_dp_and_inspect, hosts=HOSTS, kwargs={"root": str(root)}, timeout=180)
+    return run_ranks(scenarios.save_dp_and_inspect, hosts=HOSTS, kwargs={"root": str(root)}, timeout=LIMIT)
 
 
 def test_boundaries_are_reached_in_order_on_every_rank(dp_run):
@@ -61,7 +62,8 @@ def test_data_loads_bit_exact_from_shared_storage_alone(dp_run):
 
 
 def test_a_second_checkpoint_with_90_percent_frozen_writes_at_most_10_percent(tmp_path):
-    results = run_ranks(scenarios.frozen_second_checkpoint, hosts=HOSTS, kwargs={"root": str(tmp_path)})
+    kwargs = {"root": str(tmp_path)}
+    results = run_ranks(scenarios.frozen_second_checkpoint, hosts=HOSTS, kwargs=kwargs, timeout=LIMIT)
     for r in results:
         assert [h["error"] for h in r["handles"]] == [None, None]
 
@@ -83,7 +85,8 @@ def test_a_second_checkpoint_with_90_percent_frozen_writes_at_most_10_percent(tm
 
 
 def test_a_failing_drain_leaves_training_running_and_the_next_save_succeeds(tmp_path):
-    results = run_ranks(scenarios.failing_drain, hosts=HOSTS, kwargs={"root": str(tmp_path), "bad_rank": 2})
+    kwargs = {"root": str(tmp_path), "bad_rank": 2}
+    results = run_ranks(scenarios.failing_drain, hosts=HOSTS, kwargs=kwargs, timeout=LIMIT)
     for r in results:
         assert r["second"]["error"] is not None and "rank 2" in r["second"]["error"]
         assert r["second"]["failed_at"] == int(shoal.Boundary.PERSISTED)
@@ -96,7 +99,7 @@ def test_a_failing_drain_leaves_training_running_and_the_next_save_succeeds(tmp_
 def test_a_full_shared_tier_fails_that_checkpoint_at_b3_and_the_job_goes_on(tmp_path):
     # ENOSPC after rank 2 wrote the first chunk of its drain pack: a disk filling up mid-file.
     kwargs = {"root": str(tmp_path), "bad_rank": 2, "fault": "shared.write=raise:ENOSPC"}
-    results = run_ranks(scenarios.failing_drain, hosts=HOSTS, kwargs=kwargs)
+    results = run_ranks(scenarios.failing_drain, hosts=HOSTS, kwargs=kwargs, timeout=LIMIT)
     for r in results:
         error = r["second"]["error"]
         assert "rank 2" in error and "No space left on device" in error and "shared" in error
@@ -113,7 +116,7 @@ def test_replication_with_one_host_is_refused(tmp_path, dram_root):
 
 
 def test_dcp_save_with_shoals_writer_runs_the_same_pipeline(tmp_path):
-    results = run_ranks(scenarios.direct_dcp_save, hosts=HOSTS, kwargs={"root": str(tmp_path)})
+    results = run_ranks(scenarios.direct_dcp_save, hosts=HOSTS, kwargs={"root": str(tmp_path)}, timeout=LIMIT)
     for r in results:
         assert r["handle"]["error"] is None and r["handle"]["reached"] == int(shoal.Boundary.RESTARTABLE)
         times = r["handle"]["times"]
@@ -122,7 +125,9 @@ def test_dcp_save_with_shoals_writer_runs_the_same_pipeline(tmp_path):
 
 
 def test_partner_copies_of_a_failed_drain_are_reused_and_referenced(tmp_path):
-    results = run_ranks(scenarios.held_replicas_are_reused, hosts=HOSTS, kwargs={"root": str(tmp_path)})
+    results = run_ranks(
+        scenarios.held_replicas_are_reused, hosts=HOSTS, kwargs={"root": str(tmp_path)}, timeout=LIMIT
+    )
     for r in results:
         assert r["first"]["reached"] == int(shoal.Boundary.REPLICATED)
         assert r["first"]["failed_at"] == int(shoal.Boundary.PERSISTED)

@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md section 2, as tools check them: the import contract, the version, and the
+"""The layers of docs/design.md section 2, as tools check them: the import contract, the version, and the
 helpers the demo needs importing with shoal's runtime dependencies alone."""
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -268,6 +267,8 @@ def test_malformed_dcp_metadata_is_a_format_error() -> None:
         check_against_dcp(dataclasses.replace(manifest, dcp=bad))
 
 
+@pytest.mark.timeout(300)  # the scale check: a check quadratic in shards takes hours here, a linear one
+# seconds (an elapsed-time assertion broke on busy machines)
 def test_thousands_of_shards_check_quickly() -> None:
     n = 20_000
     state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {
@@ -277,9 +278,7 @@ def test_thousands_of_shards_check_quickly() -> None:
     items = {f"emb@{i}_0": _rec(f"emb@{i}_0", torch.float32, [1, 8]) for i in range(n)}
     manifest = Case(state, storage, items).manifest(encode=False)
     md = Metadata(state_dict_metadata=state, storage_data=storage)
-    t0 = time.perf_counter()
-    check_metadata(manifest, md)
-    assert time.perf_counter() - t0 < 5.0
+    check_metadata(manifest, md)  # passes: every shard of the metadata is in the manifest
 
 
 def _blocks(rows: list[int], cols: list[int]) -> list[tuple[list[int], list[int]]]:

@@ -1,4 +1,4 @@
-"""Paths inside a tier root (DESIGN.md section 6)."""
+"""Paths inside a tier root (docs/design.md section 6)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import pickle
 import random
-import time
 from dataclasses import dataclass, replace
 
 import pytest
@@ -448,6 +447,8 @@ def test_plan_cache_answers_like_a_fresh_plan(
     assert cache.hits + cache.partial_hits + cache.misses == 2
 
 
+@pytest.mark.timeout(300)  # the scale check: a plan not near-linear in ranks takes hours here, a linear one
+# seconds (an elapsed-time assertion broke on busy machines; benchmarks/planner.py measures the speed)
 def test_group_save_for_sixteen_thousand_ranks() -> None:
     """16,384 ranks, 8 per host: DP weights plus a two-chunk shard per rank, replicated to partners."""
     n_ranks, per_host = 16_384, 8
@@ -458,14 +459,11 @@ def test_group_save_for_sixteen_thousand_ranks() -> None:
         for r in range(n_ranks)
     ]
     topo = build_topology([rc.host for rc in ranks])
-    start = time.perf_counter()
     plan = plan_group_save(1000, ranks, set(), topo)
-    elapsed = time.perf_counter() - start
     assert plan.new_bytes == len(lengths) * (4 << 20)
     assert plan.replicated_bytes == n_ranks * 2 * (4 << 20)
     drained = plan.bytes_per_host()
     assert max(drained.values()) - min(drained.values()) <= 4 << 20
-    assert elapsed < 10, f"planning took {elapsed:.1f}s"
 
 
 def test_plans_pickle_compactly() -> None:

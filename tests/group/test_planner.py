@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -219,6 +219,8 @@ def test_a_chunk_repeated_inside_one_rank_is_drained_once() -> None:
     assert plan.drains[0].chunks == (ChunkRef(_d(0), "zeros", 0, 10),)
 
 
+@pytest.mark.timeout(300)  # the scale check: a plan not near-linear in ranks takes hours here, a linear one
+# seconds (an elapsed-time assertion broke on busy machines; benchmarks/planner.py measures the speed)
 def test_sixteen_thousand_ranks_plan_quickly() -> None:
     """A 16,384-rank job (8 ranks per host): sharded weights plus a replicated block, no processes."""
     n_ranks, per_host = 16_384, 8
@@ -229,13 +231,10 @@ def test_sixteen_thousand_ranks_plan_quickly() -> None:
         rank(r, f"host-{r // per_host}", _item(f"shard.{r}", [2 * r, 2 * r + 1], lengths), replicated)
         for r in range(n_ranks)
     ]
-    start = time.perf_counter()
     plan = plan_drains(1000, ranks, set())
-    elapsed = time.perf_counter() - start
     assert plan.unique_bytes == len(lengths) * (4 << 20) == plan.new_bytes
     drained = plan.bytes_per_host()
     assert max(drained.values()) - min(drained.values()) <= 4 << 20  # 16 hosts drain one extra chunk
-    assert elapsed < 10, f"planning took {elapsed:.1f}s"
 
 
 def test_without_balance_every_shared_chunk_is_drained_by_the_lowest_rank_holding_it() -> None:

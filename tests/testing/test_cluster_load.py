@@ -33,14 +33,13 @@ def test_a_random_walk_is_the_same_for_a_seed_and_stays_within_its_bounds() -> N
 
 
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
-@pytest.mark.timeout(120)
 def test_weather_reshapes_the_storage_link_in_its_regimes() -> None:
     with Cluster(ClusterSpec(hosts=1, storage_mbit=400)) as cluster:
         assert "rate 400Mbit" in _rate_shown(cluster)
         set_storage_rate(cluster, 123)
         assert "rate 123Mbit" in _rate_shown(cluster)
         with Weather(cluster, regimes=[(100, 0.05), (300, 0.05)]) as weather:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 120  # generous: it only runs out when the weather is stuck
             while len(weather.timeline) < 4 and time.monotonic() < deadline:
                 time.sleep(0.02)
         assert [r for _, r in weather.timeline[:4]] == [100, 300, 100, 300]
@@ -50,12 +49,11 @@ def test_weather_reshapes_the_storage_link_in_its_regimes() -> None:
 
 
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
-@pytest.mark.timeout(120)
 def test_background_load_moves_bytes_through_its_own_host_and_stops() -> None:
     with Cluster(ClusterSpec(hosts=2, host_storage_mbit=400, storage_mbit=800)) as cluster:
         before = cluster.counters(1)
         with BackgroundLoad(cluster, host=1, writers=1, readers=1, object_mib=1) as load:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 120  # generous: it only runs out when no bytes move
             while time.monotonic() < deadline:
                 now = cluster.counters(1)
                 if (

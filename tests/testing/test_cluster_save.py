@@ -26,10 +26,7 @@ from shoal.testing.cluster_scenarios import CHUNK, host_tier_roots
 from shoal.testing.multiproc import RankFailed
 
 WHY = cannot_run()
-pytestmark = [
-    pytest.mark.skipif(WHY is not None, reason=f"the emulated cluster cannot run here: {WHY}"),
-    pytest.mark.timeout(120),
-]
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"the emulated cluster cannot run here: {WHY}")
 
 HOSTS, RANKS_PER_HOST = 2, 2
 KIB, MIB = 1 << 10, 1 << 20

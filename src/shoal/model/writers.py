@@ -1,4 +1,4 @@
-"""Per-writer time on a tier, and the slowest of a checkpoint's writers (DESIGN.md section 7).
+"""Per-writer time on a tier, and the slowest of a checkpoint's writers (docs/design.md section 7).
 
 The model, for writer ``i`` of checkpoint ``j`` writing ``S_ij`` bytes with ``N_j`` writers::
 
@@ -56,6 +56,7 @@ __all__ = [
 FAMILIES = ("lognormal", "gamma")
 """The per-writer families :func:`fit_writers` knows."""
 
+_SQRT_2PI = np.sqrt(2 * np.pi)
 _G_POINTS = 1201
 """Grid points over g for the slowest writer's distribution (+- 8 tau): smooth to well under 1%."""
 _GAMMA_POINTS = 81
@@ -157,17 +158,32 @@ def _loglik_gamma(d: _Data, m: np.ndarray, sigma: float, tau: float) -> float:
     # A'(g) = 0, a convex decreasing function, so Newton's steps close in on it from either side.
     g = np.log(w / n)
     for _ in range(60):
-        slope = -n * k + k * w * np.exp(-g) - g / t2
-        g = g + slope / (k * w * np.exp(-g) + 1.0 / t2)
+        kwe = k * w * np.exp(-g)
+        slope = -n * k + kwe - g / t2
+        g = g + slope / (kwe + 1.0 / t2)
         if np.all(np.abs(slope) < 1e-10 * (n * k + 1.0)):
             break
     sd = 1.0 / np.sqrt(k * w * np.exp(-g) + 1.0 / t2)
-    offsets = np.linspace(-8.0, 8.0, _GAMMA_POINTS)
+    offsets = _GAMMA_OFFSETS
     grid = g[:, None] + sd[:, None] * offsets[None, :]
     a = -n[:, None] * k * grid - k * w[:, None] * np.exp(-grid) - grid * grid / (2 * t2)
     step = sd * (offsets[1] - offsets[0])
-    per = consts + special.logsumexp(a, axis=1) + np.log(step) - math.log(tau * math.sqrt(2 * math.pi))
+    per = consts + _logsumexp_rows(a) + np.log(step) - math.log(tau * math.sqrt(2 * math.pi))
     return float(per.sum())
+
+
+_GAMMA_OFFSETS = np.linspace(-8.0, 8.0, _GAMMA_POINTS)
+"""The gamma likelihood's grid around each checkpoint's mode, in its standard deviations."""
+
+
+def _logsumexp_rows(a: np.ndarray) -> np.ndarray:
+    """``ln sum_j exp(a[i, j])`` for each row: ``scipy.special.logsumexp(a, axis=1)``, computed the
+    same way, without its checks and array-API dispatch (which cost more than the sum itself at
+    these sizes, and a fit calls this thousands of times)."""
+    top = a.max(axis=1)
+    top[~np.isfinite(top)] = 0.0  # as scipy: a row without a finite entry sums to its own inf
+    with np.errstate(divide="ignore"):  # a row of -inf: ln 0, as scipy (quietly)
+        return np.log(np.exp(a - top[:, None]).sum(axis=1)) + top
 
 
 _LOGLIK = {"lognormal": _loglik_lognormal, "gamma": _loglik_gamma}
@@ -342,7 +358,7 @@ def _slowest_loglik(family: str, d: _Data, m: np.ndarray, sigma: float, tau: Any
         log_pdf = k * math.log(k) - special.gammaln(k) + (k - 1) * np.log(t)[:, None] - k * mu - y
     all_below = np.add.reduceat(log_cdf, d.starts[:-1], axis=0)  # checkpoints x grid
     hazard_sum = np.add.reduceat(np.exp(np.minimum(log_pdf - log_cdf, 700.0)), d.starts[:-1], axis=0)
-    per = special.logsumexp(all_below + np.log(np.maximum(hazard_sum, 1e-300)) + log_w[None, :], axis=1)
+    per = _logsumexp_rows(all_below + np.log(np.maximum(hazard_sum, 1e-300)) + log_w[None, :])
     return float(per.sum())
 
 
@@ -478,7 +494,8 @@ class WriterFit:
     def _cdf_given_g(self, t: float, m: float, g: np.ndarray) -> np.ndarray:
         """F(t | g) of one writer whose ``ln(S / b_eff)`` is ``m``, for every g."""
         if self.family == "lognormal":
-            return np.asarray(stats.norm.cdf((math.log(t) - m - g) / self.sigma))
+            # the normal cdf: stats.norm.cdf's own value, without its argument checks (a fit calls it often)
+            return np.asarray(special.ndtr((math.log(t) - m - g) / self.sigma))
         k = 1.0 / (self.sigma * self.sigma)
         return np.asarray(special.gammainc(k, k * t * np.exp(-(m + g))))
 
@@ -490,7 +507,7 @@ class WriterFit:
         """Points over g and their normal weights (+- 8 of the spread ``state`` predicts with)."""
         tau = self._tau(state)
         g = np.linspace(-8 * tau, 8 * tau, _G_POINTS)
-        w = stats.norm.pdf(g, scale=tau)
+        w = np.exp(-((g / tau) ** 2) / 2.0) / _SQRT_2PI / tau  # stats.norm.pdf(g, scale=tau), bit for bit
         return g, w / w.sum()
 
     def slowest_cdf(self, t: float, sizes: Sequence[float], state: TierState | None = None) -> float:
