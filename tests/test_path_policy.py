@@ -71,10 +71,11 @@ def test_four_ranks_alternating_partner_and_direct_checkpoint_by_checkpoint(tmp_
 
 
 def auto_paths_in_lockstep_with_the_model(rank: int, world: int, *, root: str, saves: int) -> dict[str, Any]:
-    """``scenarios.model_chosen_paths`` (``saves`` checkpoints with ``path="auto"``), but the
-    coordinator waits, after each checkpoint, for it to finish and for the model update it started
-    in the background: each decision then sees every fit the checkpoints before it asked for, so
-    how long the cold start lasts is the policy's rule, not how fast a busy machine fits."""
+    """``saves`` checkpoints with ``path="auto"``: each one's path and reason, and on the
+    coordinator the ``path`` and ``path_observed`` events of its event log. The coordinator waits,
+    after each checkpoint, for it to finish and for the model update it started in the background:
+    each decision then sees every fit the checkpoints before it asked for, so how long the cold
+    start lasts is the policy's rule, not how fast a busy machine fits."""
     out: dict[str, Any] = {"steps": {}}
     with shoal.Checkpointer(scenarios.group_config(root, path="auto")) as ckpt:
         policy = ckpt.runtime.path_policy

@@ -404,21 +404,3 @@ def mismatched_load_steps(rank: int, world: int, *, root: str) -> str:
         assert ckpt.load(target, step=2) == 2
         assert_state_equal(target, _state_at(rank, 2))
         return message
-
-
-def model_chosen_paths(rank: int, world: int, *, root: str, saves: int = 9) -> dict[str, Any]:
-    """``saves`` checkpoints with ``path="auto"`` (the model policy): each one's path and reason and,
-    on the coordinator, the ``path`` and ``path_observed`` events of its event log."""
-    out: dict[str, Any] = {"steps": {}}
-    with Checkpointer(group_config(root, path="auto")) as ckpt:
-        for step in range(1, saves + 1):
-            handle = ckpt.save(step, _state_at(rank, step))
-            handle.wait(Boundary.RESTARTABLE, timeout=120)
-            out["steps"][step] = {"path": handle.path, "reason": handle.path_reason}
-        ckpt.wait()
-        if rank == 0:
-            assert ckpt.config.event_log is not None
-            events = read_events(ckpt.config.event_log, kinds=("path", "path_observed"))
-            out["path_events"] = [dict(e.fields) for e in events if e.event == "path" and e.rank == 0]
-            out["observed"] = [dict(e.fields) for e in events if e.event == "path_observed"]
-    return out
