@@ -13,9 +13,9 @@ import pytest
 
 from shoal.errors import ConfigError, InsufficientMemory
 from shoal.kv import KVConfig, KVEvent, KVStore, _index
+from shoal.kv._index import Pending
 from shoal.kv.blockfile import encode_block, encode_header
 from shoal.kv.pool import BLOCKS_DIR, INDEX_NAME, physical_bytes
-from shoal.tiers.local import temp_sibling
 
 from .kv_workers import BLOCK, PHYS, disk_bytes, keys, payload, pool_files
 
@@ -76,86 +76,87 @@ def test_capacity_is_never_exceeded_under_a_random_workload(
 def test_an_eviction_that_ends_after_its_victim_was_removed_and_put_again_frees_nothing_of_it(
     shm_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The race the random workload above once hit (files on tmpfs over the capacity): the
+    """A race the random workload above once hit (files on tmpfs over the capacity): the
     write-back thread claims a block, the caller removes it and puts it again, and the eviction
-    ends while the new copy is being written. Its release used to free the new copy's
-    reservation, so the file landed on tmpfs uncounted. Here the interleaving is forced."""
+    ends while the new copy is being written. Its release must not free the new copy's
+    reservation, or the file lands on tmpfs uncounted. Here the interleaving is forced."""
     root = shm_path / "pool"
     cfg = KVConfig(str(root), 4 * PHYS, writeback=False, high_water=1.0)
     k = keys(1)
     with KVStore(cfg) as store:
         store.put_batch(k, [payload(0)])
-        victims = store._pool.index.claim_above(0)  # what the write-back thread does first
+        victims, since = store._pool.index.claim_above(0)  # what the write-back thread does first
         assert [v.digest for v in victims] == [k[0].digest]
         store.remove(k)
-        write_file = store._pool.write_file
+        write_temp = store._pool.write_temp
 
-        def evict_then_write(digest: str, header: bytes, view: memoryview) -> None:
-            store._writeback.evict(victims)  # the eviction ends between the reserve and the file
-            write_file(digest, header, view)
+        def evict_then_write(digest: str, header: bytes, view: memoryview) -> str:
+            store._writeback.evict(victims, since)  # the eviction ends between the reserve and the file
+            return write_temp(digest, header, view)
 
-        monkeypatch.setattr(store._pool, "write_file", evict_then_write)
+        monkeypatch.setattr(store._pool, "write_temp", evict_then_write)
         assert store.put_batch(k, [payload(0)])[0].stored
         assert _index_used(root) == (PHYS, PHYS) and disk_bytes(root) == PHYS
         buf = bytearray(BLOCK)
         assert store.get_batch_into(k, [buf])[0].tier == "dram" and buf == payload(0)
 
 
-def test_a_remove_while_a_put_of_the_block_is_under_way_leaves_no_file_uncounted(
+def test_a_remove_while_a_put_of_the_block_is_under_way_wins_and_leaves_nothing(
     shm_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The other race of the random workload: a get that hit a lower tier had the write-back
-    thread put the block back into the pool while the caller removed it. The remove deleted the
-    file before the put renamed its own into place, and freed the row after the put had marked it
-    ready: the put's file stayed on tmpfs, uncounted. Here the put lands between the two."""
+    """A put reserved its block, then a remove of the block runs, and the put's file is written
+    and committed between the remove's deleting the pool file and freeing the row (the race of
+    the random workload: a promotion of a lower-tier hit landing under a remove). The remove was
+    called after the put began and before it ended; once it has returned the block must be gone,
+    and no byte may stay on tmpfs uncounted."""
     root = shm_path / "pool"
     cfg = KVConfig(str(root), 4 * PHYS, writeback=False, high_water=1.0)
     k = keys(1)
     view = memoryview(payload(0))
     with KVStore(cfg) as store:
         pool = store._pool
-        reservations, _ = pool.index.reserve([(k[0].digest, BLOCK, PHYS)], False)  # the put begins
+        reservations, _, since = pool.index.reserve([(k[0].digest, BLOCK, PHYS)])  # the put begins
         assert reservations[0].outcome == "reserved"
         unlink = pool.unlink
+        outcome: list[tuple[list[str], list[str]]] = []
 
         def unlink_then_the_put_lands(digest: str) -> None:
             unlink(digest)
-            pool.write_file(digest, encode_header(digest, view), view)
-            pool.index.mark_ready([(digest, None, 0)])
+            tmp = pool.write_temp(digest, encode_header(digest, view), view)
+            committed, removed, _ = pool.index.commit([Pending(digest, tmp, None, 0)], since)
+            outcome.append((committed, removed))
+            if removed:
+                os.unlink(tmp)
+                pool.index.release_mine(removed)
 
         monkeypatch.setattr(pool, "unlink", unlink_then_the_put_lands)
         store.remove(k)
-        assert _index_used(root) == (PHYS, PHYS) and disk_bytes(root) == PHYS  # the put's block, counted
-        buf = bytearray(BLOCK)
-        assert store.get_batch_into(k, [buf])[0].tier == "dram" and buf == payload(0)
+        assert outcome == [([], [k[0].digest])]  # the put found the remove's tombstone
+        assert _index_used(root) == (0, 0) and disk_bytes(root) == 0
+        assert store.contains(k[0]) is None
+        assert store.get_batch_into(k, [bytearray(BLOCK)])[0].status == "miss"
+        assert store.put_batch(k, [payload(0)])[0].stored  # a put after the remove stores as usual
+        assert store.contains(k[0]) == "dram"
 
 
-def test_a_sweep_keeps_the_temporary_file_of_a_put_that_reserved_while_it_ran(
-    shm_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A sweep (a put that finds the pool full runs one) deletes the temporary files no live writer
-    owns. Another thread's put that reserves its row and creates its temporary file while the sweep
-    runs keeps its file: the sweep used to read the live writers before listing the files, and so
-    deleted such a file mid-write (the put's rename then failed, ENOENT, in the random workload)."""
+def test_a_sweep_deletes_dead_writers_temporary_files_and_keeps_live_ones(shm_path: Path) -> None:
+    """Temporary files carry their writer's owner token: a sweep deletes those whose owner is
+    gone (a process killed mid-put, in whatever PID namespace) and keeps a live writer's."""
     cfg = KVConfig(str(shm_path / "pool"), 4 * PHYS, writeback=False, high_water=1.0)
     digest = keys(1)[0].digest
+    view = memoryview(payload(0))
     with KVStore(cfg) as store:
         pool = store._pool
-        started: list[str] = []
-        writers_alive = pool.index.writers_alive
-
-        def a_put_starts_right_after() -> set[str]:
-            live = writers_alive()
-            if not started:  # the other thread's put: its row, then its temporary file
-                reservations, _ = pool.index.reserve([(digest, BLOCK, PHYS)], False)
-                assert reservations[0].outcome == "reserved"
-                started.append(temp_sibling(pool.path(digest)))
-                Path(started[0]).write_bytes(b"a block being written")
-            return live
-
-        monkeypatch.setattr(pool.index, "writers_alive", a_put_starts_right_after)
+        reservations, _, _ = pool.index.reserve([(digest, BLOCK, PHYS)])
+        assert reservations[0].outcome == "reserved"
+        live = pool.write_temp(digest, encode_header(digest, view), view)
+        dead = pool.blocks_dir + f"/.{digest}.{'0' * 16}.tmp-0123456789abcdef"
+        Path(dead).write_bytes(b"a block whose writer was killed")
+        old_style = pool.blocks_dir + f"/.{digest}.tmp-0123456789abcdef"
+        Path(old_style).write_bytes(b"a temporary file without an owner")
         pool.sweep()
-        assert started and os.path.exists(started[0])
+        assert os.path.exists(live)
+        assert not os.path.exists(dead) and not os.path.exists(old_style)
 
 
 def test_puts_beyond_capacity_evict_lru_and_write_back_to_local(shm_path: Path, tmp_path: Path) -> None:

@@ -24,14 +24,25 @@ def _is_torch(obj: Any) -> bool:
     return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
 
 
+def _plain(view: memoryview, obj: Any, what: str) -> memoryview:
+    """Refuse a buffer of Python objects: its bytes are pointers, and copying into them is unsafe."""
+    if "O" in view.format:
+        raise ConfigError(
+            f"{what} ({type(obj).__name__}) holds Python objects (format {view.format!r}); the KV store "
+            "takes buffers of plain bytes or numbers"
+        )
+    return view
+
+
 def block_view(obj: Any, what: str) -> memoryview:
     """A flat byte view of a block to store (copied only if not contiguous)."""
     if _is_torch(obj):
         obj = _torch_bytes(obj, what)
     try:
-        return as_byte_view(obj)
+        view = obj if isinstance(obj, memoryview) else memoryview(obj)
     except TypeError as e:
         raise ConfigError(f"{what} ({type(obj).__name__}) does not expose the buffer protocol: {e}") from e
+    return as_byte_view(_plain(view, obj, what))
 
 
 def writable_view(obj: Any, what: str) -> memoryview:
@@ -42,6 +53,7 @@ def writable_view(obj: Any, what: str) -> memoryview:
         view = obj if isinstance(obj, memoryview) else memoryview(obj)
     except TypeError as e:
         raise ConfigError(f"{what} ({type(obj).__name__}) does not expose the buffer protocol: {e}") from e
+    _plain(view, obj, what)
     if view.readonly:
         raise ConfigError(f"{what} ({type(obj).__name__}) is read-only; pass a bytearray, array or tensor")
     if not view.c_contiguous:

@@ -2,11 +2,14 @@
 
 One :class:`WriteBack` per store: a daemon thread that takes jobs from a queue. ``kick`` asks it to
 claim least-recently-used unpinned blocks until the pool is under its high-water mark and evict
-them; ``promote`` asks it to copy a block read from a lower tier into the pool. :meth:`evict` is
-also called inline by a put that found no room. Evicting one block: write it to the next tier
-(verified first; skipped when the index says a lower tier has it, or with ``writeback=False``),
-unlink the pool file, then free its bytes in the index, in that order, so the files never hold
-more than the index counts. A block whose write-back failed goes back to ``READY`` (still served).
+them; ``promote`` asks it to copy a block read from a lower tier into the pool; ``touch`` records
+the reads' LRU updates (the read path never writes to the index). :meth:`evict` is also called
+inline by a put that found no room. Evicting blocks: write each to the next tier (verified first;
+skipped when the index says a lower tier has it, or with ``writeback=False``), decide the drop in
+the index (a victim pinned since it was claimed stays), unlink the pool files, then free their
+bytes, in that order, so the files never hold more than the index counts. A block whose
+write-back failed goes back to ``READY`` (still served), and so does every victim an exception
+(even a ``KeyboardInterrupt``) left unhandled.
 """
 
 from __future__ import annotations
@@ -27,8 +30,11 @@ log = logging.getLogger(__name__)
 
 Emit = Callable[[str, str, str, int], None]
 """``emit(kind, digest, tier, nbytes)``: the store's event hook."""
-Promote = Callable[[str, memoryview, str], None]
-"""``promote(digest, payload, lower_tier)``: the store's put into the pool."""
+Promote = Callable[[str, memoryview, str, int], None]
+"""``promote(digest, payload, lower_tier, since)``: the store's put into the pool (``since``: the
+removal sequence read before the payload was)."""
+_TOUCHES = 1 << 16
+"""The most LRU updates waiting for the thread; past it, new ones are dropped (bookkeeping only)."""
 
 
 class WriteBack:
@@ -49,7 +55,9 @@ class WriteBack:
         self.high_water_bytes = high_water_bytes
         self._emit = emit
         self._promote = promote
-        self._jobs: queue.Queue[tuple[str, str, bytes, str] | None] = queue.Queue(maxsize=256)
+        self._jobs: queue.Queue[tuple[str, str, bytes, str, int] | None] = queue.Queue(maxsize=256)
+        self._touches: dict[str, tuple[float, int]] = {}
+        self._touch_queued = False
         self._idle = threading.Condition()
         self._pending = 0
         self._kicked = False
@@ -65,19 +73,38 @@ class WriteBack:
             if self._kicked:
                 return
             self._kicked = True
-        self._submit(("kick", "", b"", ""))
+        self._submit(("kick", "", b"", "", 0))
 
-    def promote(self, digest: str, payload: bytes, lower: str) -> None:
+    def promote(self, digest: str, payload: bytes, lower: str, since: int) -> None:
         """Copy a lower-tier hit into the pool in the background (dropped if the queue is full)."""
-        self._submit(("promote", digest, payload, lower), block=False)
+        self._submit(("promote", digest, payload, lower, since), block=False)
 
-    def _submit(self, job: tuple[str, str, bytes, str], *, block: bool = True) -> None:
+    def touch(self, digests: Sequence[str]) -> None:
+        """Record that ``digests`` (one batch, head first) were read now: the thread updates their
+        LRU position later. Never waits (dropped when the thread is far behind)."""
+        if not digests:
+            return
+        now = time.time()
+        with self._idle:
+            if len(self._touches) < _TOUCHES:
+                for i, d in enumerate(digests):
+                    self._touches[d] = (now, i)
+            if self._touch_queued:
+                return
+            self._touch_queued = True
+        if not self._submit(("touch", "", b"", "", 0), block=False):
+            with self._idle:
+                self._touch_queued = False  # the next read asks again
+
+    def _submit(self, job: tuple[str, str, bytes, str, int], *, block: bool = True) -> bool:
         with self._idle:
             self._pending += 1
         try:
             self._jobs.put(job, block=block)
         except queue.Full:
             self._done()
+            return False
+        return True
 
     def pending(self) -> int:
         with self._idle:
@@ -101,29 +128,40 @@ class WriteBack:
 
     # -- evicting ---------------------------------------------------------------------------
 
-    def evict(self, victims: Sequence[Victim]) -> None:
-        """Write back (where needed), unlink and free each claimed victim; give back those that fail."""
-        failed: list[str] = []
-        freed: list[Victim] = []
-        for victim in victims:
-            try:
-                target = self._write_back(victim)
-            except (ShoalError, OSError) as e:
-                log.warning("KV pool: write-back of block %s failed, it stays in DRAM: %s", victim.digest, e)
-                failed.append(victim.digest)
-                continue
-            self.pool.unlink(victim.digest)
-            freed.append(victim)
-            if target is not None:
-                self.written_back += 1
-                self._emit("written_back", victim.digest, target, victim.size)
-        self.pool.index.release([v.digest for v in freed])
-        self.pool.index.unclaim(failed)
-        for victim in freed:
-            self._emit("evicted", victim.digest, "dram", victim.size)
+    def evict(self, victims: Sequence[Victim], since: int) -> None:
+        """Write back (where needed), decide, unlink and free each claimed victim (``since``: the
+        removal sequence they were claimed under); give back those that fail or stay pinned."""
+        written: list[Victim] = []
+        dropped: list[str] = []
+        try:
+            for victim in victims:
+                try:
+                    target = self._write_back(victim, since)
+                except (ShoalError, OSError) as e:
+                    log.warning(
+                        "KV pool: write-back of block %s failed, it stays in DRAM: %s", victim.digest, e
+                    )
+                    continue
+                written.append(victim)
+                if target is not None:
+                    self.written_back += 1
+                    self._emit("written_back", victim.digest, target, victim.size)
+            for digest in self.pool.index.decide_drop([v.digest for v in written]):
+                self.pool.unlink(digest)
+                dropped.append(digest)
+        finally:
+            # whatever happened, nothing stays claimed: the dropped are freed (their files are
+            # gone), every other victim is READY again (its file is still there)
+            if dropped:
+                self.pool.index.release(dropped)
+            self.pool.index.unclaim([v.digest for v in victims if v.digest not in set(dropped)])
+        sizes = {v.digest: v.size for v in victims}
+        for digest in dropped:
+            self._emit("evicted", digest, "dram", sizes[digest])
 
-    def _write_back(self, victim: Victim) -> str | None:
-        """Copy one victim to the next tier; the tier it went to, or None if not copied."""
+    def _write_back(self, victim: Victim, since: int) -> str | None:
+        """Copy one victim to the next tier; the tier it went to, or None if not copied (not
+        needed, removed meanwhile, or corrupt)."""
         if self.next_tier is None or victim.lower is not None:
             return None
         try:
@@ -136,7 +174,8 @@ class WriteBack:
             log.warning("KV pool: block %s is corrupt, dropped instead of written back: %s", victim.digest, e)
             self._emit("corrupt", victim.digest, "dram", victim.size)
             return None
-        self.next_tier.write(victim.digest, raw[:HEADER_SIZE], payload)
+        if not self.next_tier.write(victim.digest, raw[:HEADER_SIZE], payload, since):
+            return None  # a remove came after the claim: the copy was discarded
         return self.next_tier.name
 
     # -- the thread -------------------------------------------------------------------------
@@ -146,25 +185,41 @@ class WriteBack:
             job = self._jobs.get()
             if job is None:
                 return
-            kind, digest, payload, lower = job
+            kind, digest, payload, lower, since = job
             try:
                 if kind == "kick":
                     with self._idle:
                         self._kicked = False
                     self._evict_to_high_water()
+                elif kind == "touch":
+                    self._flush_touches()
                 else:
-                    self._promote(digest, memoryview(payload), lower)
+                    self._promote(digest, memoryview(payload), lower, since)
             except Exception:  # noqa: BLE001 - a background job must not kill the thread
                 log.exception("KV store background job %s %s failed", kind, digest)
             finally:
                 self._done()
 
+    def apply_touches(self) -> None:
+        """Write the LRU updates of this store's reads so far (the thread's job; a put of this
+        store also does it first, so that what it evicts reflects every read before it)."""
+        with self._idle:
+            if not self._touches:
+                return
+            touches, self._touches = self._touches, {}
+        self.pool.index.touch([(d, t, i) for d, (t, i) in touches.items()])
+
+    def _flush_touches(self) -> None:
+        with self._idle:
+            self._touch_queued = False
+        self.apply_touches()
+
     def _evict_to_high_water(self) -> None:
         for _ in range(64):
-            victims = self.pool.index.claim_above(self.high_water_bytes)
+            victims, since = self.pool.index.claim_above(self.high_water_bytes)
             if not victims:
                 return
-            self.evict(victims)
+            self.evict(victims, since)
 
     def _done(self) -> None:
         with self._idle:

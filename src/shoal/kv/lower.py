@@ -16,17 +16,25 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import stat
+from collections.abc import Collection, Mapping
 from contextlib import suppress
 from typing import Any, Protocol
 
 from shoal import failpoints
 from shoal.errors import FormatError, InsufficientMemory, MissingFile, ShoalError, TierError
 from shoal.kv._index import BlockIndex
+from shoal.kv._owners import temp_name, temp_owner
 from shoal.kv.blockfile import HEADER_SIZE, check_block, decode_block, parse_header
-from shoal.kv.pool import BufferSizeError, is_digest_name, physical_bytes, read_block_file_into
+from shoal.kv.pool import (
+    BufferSizeError,
+    is_digest_name,
+    physical_bytes,
+    read_block_file_into,
+    scandir_or_empty,
+)
 from shoal.tiers.base import Tier
-from shoal.tiers.local import PosixTier
+from shoal.tiers.local import PosixTier, fsync_dir, is_temp_name, open_private, write_all
 from shoal.tiers.shared import FsspecTier
 
 log = logging.getLogger(__name__)
@@ -46,8 +54,10 @@ class LowerTier(Protocol):
 
     name: str
 
-    def write(self, digest: str, header: bytes, payload: memoryview) -> None:
-        """Store one block durably (fsync'd / upload complete when it returns)."""
+    def write(self, digest: str, header: bytes, payload: memoryview, since: int | None = None) -> bool:
+        """Store one block durably (fsync'd / upload complete when it returns). ``since``: the
+        removal sequence read before the bytes were (shoal.kv._index; None: now); False if a
+        remove of the block came after it, and the copy was discarded."""
         ...
 
     def read_into(self, digest: str, out: memoryview) -> bool:
@@ -108,11 +118,14 @@ class LocalBlocks(_BlocksOnTier):
     def where(self, digest: str) -> str:
         return f"{self.tier.root}/{block_path(digest)}"
 
-    def write(self, digest: str, header: bytes, payload: memoryview) -> None:
+    def write(self, digest: str, header: bytes, payload: memoryview, since: int | None = None) -> bool:
+        """Count the block, write a temporary file of this process (fsync'd), then rename it into
+        place inside an index transaction that checks no remove came after ``since``."""
         assert self.index is not None
+        since = self.index.seq() if since is None else since
         phys = physical_bytes(payload.nbytes)
         try:
-            counted, victims = self.index.local_reserve(digest, phys, self.capacity)
+            outcome, victims = self.index.local_reserve(digest, phys, self.capacity)
         except OverflowError as e:
             raise InsufficientMemory(
                 f"local KV tier {self.tier.root} needs {phys} bytes for block {digest} and cannot free "
@@ -121,21 +134,43 @@ class LocalBlocks(_BlocksOnTier):
         for victim, _ in victims:
             self._spill(victim)
             self.tier.delete(block_path(victim))
-        if not counted and self.tier.exists(block_path(digest)):
-            return
+        if outcome == "present":
+            return True
+        final = os.path.join(self.tier.root, block_path(digest))
+        directory = os.path.dirname(final)
+        tmp = os.path.join(directory, temp_name(digest, self.index.me))
         try:
-            self.tier.write(block_path(digest), [header, payload])
-        except BaseException:
-            self.index.local_forget([digest])
+            self.tier.ensure_dir(digest[:2])
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                write_all(fd, [header, payload])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            committed = self.index.local_commit(digest, since, lambda: os.rename(tmp, final))
+        except BaseException as e:
+            with suppress(OSError):
+                os.unlink(tmp)
+            self.index.local_forget([digest], owner=self.index.me)
+            if isinstance(e, OSError) and not isinstance(e, ShoalError):
+                raise TierError(f"could not write block {digest} to the local KV tier {final}: {e}") from e
             raise
+        if not committed:
+            with suppress(OSError):
+                os.unlink(tmp)
+            self.index.local_forget([digest], owner=self.index.me)
+            return False
+        fsync_dir(directory)
+        return True
 
     def _spill(self, digest: str) -> None:
         if self.spill is None:
             return
+        since = self.index.seq() if self.index is not None else 0  # before the bytes are read
         try:
             raw = self.tier.read(block_path(digest))
             payload = decode_block(raw, digest, self.where(digest))
-            self.spill.write(digest, raw[:HEADER_SIZE], payload)
+            self.spill.write(digest, raw[:HEADER_SIZE], payload, since)
         except (ShoalError, OSError) as e:
             log.warning("local KV tier: block %s dropped without a copy on the shared tier: %s", digest, e)
 
@@ -150,27 +185,43 @@ class LocalBlocks(_BlocksOnTier):
             self.index.local_forget([digest])
         return there
 
-    def scan(self) -> list[tuple[str, int, float]]:
-        """Every whole block file: ``(digest, physical bytes, mtime)`` (torn or foreign files deleted)."""
-        out: list[tuple[str, int, float]] = []
-        try:
-            listing = self.tier.list_sizes()
-        except ShoalError as e:
-            log.warning("local KV tier %s could not be listed: %s", self.tier.root, e)
-            return out
-        for rel, size in listing.items():
-            digest = rel.rsplit("/", 1)[-1]
-            try:
-                if rel != block_path(digest) or not is_digest_name(digest):
-                    raise FormatError(f"{rel} is not a block file name")
-                header = parse_header(self.tier.read_range(rel, 0, HEADER_SIZE), self.where(digest))
-                check_block(header, digest, size, self.where(digest))
-                out.append((digest, physical_bytes(header.length), self.tier.info(rel).mtime))
-            except (ShoalError, OSError) as e:
-                log.warning("local KV tier: deleting %s (%s)", rel, e)
-                with suppress(ShoalError):
-                    self.tier.delete(rel)
+    def listing(self, counted: Collection[str]) -> dict[str, tuple[int, float]]:
+        """Every whole block file, ``digest -> (physical bytes, mtime)``: the headers of files the
+        index does not count (``counted``) are read and checked; torn, foreign and misplaced files
+        are deleted, and so are the temporary files of dead writers."""
+        out: dict[str, tuple[int, float]] = {}
+        root = self.tier.root
+        for top in scandir_or_empty(root):
+            if not top.is_dir(follow_symlinks=False) or len(top.name) != 2:
+                continue
+            for entry in scandir_or_empty(top.path):
+                self._list_one(top.name, entry, counted, out)
         return out
+
+    def _list_one(
+        self, top: str, entry: os.DirEntry[str], counted: Collection[str], out: dict[str, tuple[int, float]]
+    ) -> None:
+        path = entry.path
+        if is_temp_name(entry.name):
+            who = temp_owner(entry.name)
+            if self.index is None or who is None or not self.index.owner.alive(who[1]):
+                with suppress(OSError):
+                    os.unlink(path)
+            return
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or not is_digest_name(entry.name) or entry.name[:2] != top:
+                raise FormatError(f"{path} is not a block file")
+            if entry.name not in counted:
+                with open(path, "rb", opener=lambda p, f: open_private(p, f)) as f:
+                    header = parse_header(f.read(HEADER_SIZE), path)
+                check_block(header, entry.name, st.st_size, path)
+            out[entry.name] = (physical_bytes(st.st_size - HEADER_SIZE), st.st_mtime)
+        except (ShoalError, OSError) as e:
+            log.warning("local KV tier: deleting %s (%s)", path, e)
+            with suppress(OSError):
+                if not stat.S_ISDIR(os.lstat(path).st_mode):
+                    os.unlink(path)
 
 
 class SharedBlocks(_BlocksOnTier):
@@ -186,11 +237,18 @@ class SharedBlocks(_BlocksOnTier):
     def where(self, digest: str) -> str:
         return f"{self.tier.url}/{block_path(digest)}"
 
-    def write(self, digest: str, header: bytes, payload: memoryview) -> None:
+    def write(self, digest: str, header: bytes, payload: memoryview, since: int | None = None) -> bool:
+        """Upload the block; then, if a remove of it came after ``since`` (the upload cannot be
+        ordered against it: an object store has no rename), delete the upload again."""
         failpoints.hit(FP_SHARED_WRITE, rank=failpoints.process_rank())
+        if self.index is not None and since is None:
+            since = self.index.seq()
         self.tier.write(block_path(digest), [header, payload])
-        if self.index is not None:
-            self.index.shared_note(digest)
+        if self.index is not None and since is not None and not self.index.shared_note(digest, since):
+            self.index.shared_forget(digest)
+            self.tier.delete(block_path(digest))
+            return False
+        return True
 
     def delete(self, digest: str) -> bool:
         if self.index is not None:

@@ -34,6 +34,8 @@ of the store that saw them, on the thread that saw them (the caller's or the wri
 from __future__ import annotations
 
 import logging
+import math
+import os
 import secrets
 import threading
 import time
@@ -41,6 +43,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from contextlib import suppress
 from functools import partial
 from typing import Any
 
@@ -54,7 +57,7 @@ from shoal.errors import (
     StateError,
 )
 from shoal.kv._buffers import block_view, writable_view
-from shoal.kv._index import EVICTING, READY, WRITING
+from shoal.kv._index import DROPPING, EVICTING, READY, TXN_KEYS, Pending, Victim
 from shoal.kv._results import (
     DRAM,
     LOCAL,
@@ -112,16 +115,23 @@ class KVStore:
             raise ConfigError(f"KVStore takes a KVConfig, got {type(config).__name__}")
         self.config = config
         self._local = LocalBlocks(config.local_root, config.local_bytes) if config.local_root else None
-        self._pool = DramPool(
-            config.dram_root, config.dram_bytes, self._local.scan if self._local is not None else None
-        )
-        self._shared = SharedBlocks(config.shared_url, config.storage_options) if config.shared_url else None
-        if self._shared is not None:
-            self._shared.index = self._pool.index
-        if self._local is not None:
-            self._local.index = self._pool.index
-            if self._shared is not None and config.writeback:
-                self._local.spill = self._shared
+        self._pool = DramPool(config.dram_root, config.dram_bytes)
+        try:
+            self._shared = (
+                SharedBlocks(config.shared_url, config.storage_options) if config.shared_url else None
+            )
+            if self._shared is not None:
+                self._shared.index = self._pool.index
+            if self._local is not None:
+                self._local.index = self._pool.index
+                self._pool.index.local_root = self._local.tier.root
+                self._pool.local = self._local.listing
+                if self._shared is not None and config.writeback:
+                    self._local.spill = self._shared
+            self._pool.reconcile()
+        except BaseException:
+            self._pool.close()
+            raise
         self._lower: list[LowerTier] = [t for t in (self._local, self._shared) if t is not None]
         self._listeners: list[Callable[[KVEvent], None]] = []
         self._counters = {name: TrafficCounters() for name in (DRAM, LOCAL, SHARED)}
@@ -144,6 +154,7 @@ class KVStore:
     def put_batch(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer]) -> list[PutResult]:
         """Store each block under its key (module docstring); one result per key, in order."""
         self._check_open()
+        _check_keys(keys, "put_batch")
         if len(keys) != len(blocks):
             raise ConfigError(f"put_batch got {len(keys)} keys but {len(blocks)} blocks")
         results: list[PutResult | None] = [None] * len(keys)
@@ -159,6 +170,7 @@ class KVStore:
                 continue
             local_copy = LOCAL if self._local is not None and self._local.exists(key.digest) else None
             items[key.digest] = (view, local_copy)
+        self._writeback.apply_touches()  # this store's reads before the put count for its evictions
         outcomes = self._put_dram(items)
         seen: set[str] = set()
         for i, key in enumerate(keys):
@@ -174,22 +186,41 @@ class KVStore:
         return [r for r in results if r is not None]
 
     def _put_dram(
-        self, items: dict[str, tuple[memoryview, str | None]]
+        self, items: dict[str, tuple[memoryview, str | None]], since: int | None = None
     ) -> dict[str, tuple[bool, str | None, ShoalError | None]]:
-        """Put blocks into the pool, evicting inline when full; the rest to the next tier (or errors)."""
+        """Put blocks into the pool, evicting inline when full; the rest to the next tier (or errors).
+
+        At most :data:`TXN_KEYS` keys per index transaction: a large batch is cut into parts that
+        are reserved, written and committed one after the other. ``since``: for a promotion, the
+        removal sequence read before its bytes were (a remove after it discards the copy).
+        """
         out: dict[str, tuple[bool, str | None, ShoalError | None]] = {}
-        pending = list(items)
-        depth = {d: i for i, d in enumerate(items)}
+        order = list(items)
+        depth = {d: i for i, d in enumerate(order)}
         at = time.time()  # one instant for the whole batch, whichever round stores a block
+        for start in range(0, len(order), TXN_KEYS):
+            self._put_part(order[start : start + TXN_KEYS], items, depth, at, since, out)
+        return out
+
+    def _put_part(
+        self,
+        part: list[str],
+        items: dict[str, tuple[memoryview, str | None]],
+        depth: dict[str, int],
+        at: float,
+        since: int | None,
+        out: dict[str, tuple[bool, str | None, ShoalError | None]],
+    ) -> None:
+        pending = part
         last: dict[str, tuple[int, int]] = {}
+        index = self._pool.index
         for attempt in range(6):
             reqs = [(d, items[d][0].nbytes, physical_bytes(items[d][0].nbytes)) for d in pending]
-            reservations, victims = self._pool.index.reserve(reqs, self.config.writeback, keep=items.keys())
-            written: list[tuple[str, str | None, int]] = []
+            reservations, victims, reserved_since = index.reserve(reqs, keep=items.keys())
+            order = reserved_since if since is None else min(since, reserved_since)
             full: list[str] = []
             stale: list[str] = []
             for r in reservations:
-                view, lower = items[r.digest]
                 if r.outcome == "present":
                     out[r.digest] = (False, DRAM, None)
                 elif r.outcome == "stale":
@@ -197,15 +228,8 @@ class KVStore:
                 elif r.outcome == "full":
                     full.append(r.digest)
                     last[r.digest] = (r.needed, r.free)
-                else:
-                    out[r.digest] = self._write_pool_file(r.digest, view)
-                    if out[r.digest][0]:
-                        written.append((r.digest, lower, depth[r.digest]))
-            self._pool.index.mark_ready(written, at)
-            for digest, _, _ in written:
-                self._emit("stored", digest, DRAM, items[digest][0].nbytes)
-            if victims:
-                self._writeback.evict(victims)
+            reserved = [r.digest for r in reservations if r.outcome == "reserved"]
+            self._write_reserved(reserved, items, depth, at, order, out, victims, reserved_since)
             pending = full + stale
             if not pending:
                 break
@@ -214,22 +238,75 @@ class KVStore:
             elif not victims:  # nothing evictable now: dead processes' rows, or others' write-backs
                 if attempt == 0:
                     self._pool.sweep()
-                elif self._pool.index.evicting_count() == 0 or attempt >= 4:
+                elif index.evicting_count() == 0 or attempt >= 4:
                     break
                 else:
                     time.sleep(0.02 * attempt)
         for digest in pending:
             out[digest] = self._overflow(digest, items[digest], *last.get(digest, (0, 0)))
-        return out
 
-    def _write_pool_file(self, digest: str, view: memoryview) -> tuple[bool, str | None, ShoalError | None]:
+    def _write_reserved(
+        self,
+        reserved: list[str],
+        items: dict[str, tuple[memoryview, str | None]],
+        depth: dict[str, int],
+        at: float,
+        since: int,
+        out: dict[str, tuple[bool, str | None, ShoalError | None]],
+        victims: list[Victim],
+        claimed_since: int,
+    ) -> None:
+        """Write the reserved blocks' temporary files, commit them, and evict the victims claimed
+        for the rest. Whatever is raised on the way (a ``KeyboardInterrupt`` too), nothing is left
+        half done: an uncommitted reservation is freed with its files, an unhandled victim is
+        given back."""
+        index = self._pool.index
+        temps: list[Pending] = []
+        finished = False
         try:
-            self._pool.write_file(digest, encode_header(digest, view), view)
-        except (ShoalError, OSError) as e:
-            self._pool.index.release([digest], states=(WRITING,))
-            return False, None, tier_error(DRAM, digest, e)
-        self._counters[DRAM].add(bytes_written=view.nbytes)
-        return True, DRAM, None
+            for digest in reserved:
+                view, lower = items[digest]
+                try:
+                    tmp = self._pool.write_temp(digest, encode_header(digest, view), view)
+                except (ShoalError, OSError) as e:
+                    index.release_mine([digest])
+                    out[digest] = (False, None, tier_error(DRAM, digest, e))
+                    continue
+                temps.append(Pending(digest, tmp, lower, depth[digest]))
+            committed, removed, failed = index.commit(temps, since, at)
+            finished = True
+        finally:
+            if not finished:
+                self._abandon([p.digest for p in temps] + [d for d in reserved if d not in out], temps)
+                index.unclaim([v.digest for v in victims])
+        for p in temps:
+            if p.digest not in committed:
+                with suppress(OSError):
+                    os.unlink(p.tmp)
+        index.release_mine(removed + list(failed))
+        for digest in removed:
+            out[digest] = (False, None, None)  # a remove overtook this put: nothing stays
+        for digest, err in failed.items():
+            out[digest] = (False, None, tier_error(DRAM, digest, err))
+        for digest in committed:
+            view = items[digest][0]
+            self._counters[DRAM].add(bytes_written=view.nbytes)
+            out[digest] = (True, DRAM, None)
+            self._emit("stored", digest, DRAM, view.nbytes)
+        if victims:
+            self._writeback.evict(victims, claimed_since)
+
+    def _abandon(self, digests: list[str], temps: list[Pending]) -> None:
+        """Undo this process's reservations of ``digests`` after an exception: their temporary
+        files, and a file a rolled-back commit had already renamed into place, then the rows."""
+        with suppress(BaseException):
+            for p in temps:
+                with suppress(OSError):
+                    os.unlink(p.tmp)
+            mine = self._pool.index.writing_mine(digests)
+            for digest in mine:
+                self._pool.unlink(digest)  # renamed in a commit that did not commit: never counted
+            self._pool.index.release_mine(mine)
 
     def _overflow(
         self, digest: str, item: tuple[memoryview, str | None], needed: int, free: int
@@ -251,17 +328,19 @@ class KVStore:
             )
         tier = self._lower[0]
         try:
-            tier.write(digest, encode_header(digest, view), view)
+            if not tier.write(digest, encode_header(digest, view), view, self._pool.index.seq()):
+                return False, None, None  # a remove overtook this put
         except (ShoalError, OSError) as e:
             return False, None, tier_error(tier.name, digest, e)
         self._counters[tier.name].add(bytes_written=view.nbytes)
         self._emit("stored", digest, tier.name, view.nbytes)
         return True, tier.name, None
 
-    def _promote(self, digest: str, payload: memoryview, lower: str) -> None:
-        """The write-back thread's job: copy a lower-tier hit into the pool (best effort)."""
+    def _promote(self, digest: str, payload: memoryview, lower: str, since: int) -> None:
+        """The write-back thread's job: copy a lower-tier hit into the pool (best effort), unless
+        a remove came after ``since`` (read before the hit's bytes were)."""
         if not self._closed:
-            self._put_dram({digest: (payload, lower)})
+            self._put_dram({digest: (payload, lower)}, since)
 
     # -- get ------------------------------------------------------------------------------
 
@@ -270,6 +349,8 @@ class KVStore:
     ) -> list[GetResult]:
         """Fill each buffer with its key's verified block (module docstring); one result per key."""
         self._check_open()
+        _check_keys(keys, "get_batch_into")
+        _check_deadline(deadline)
         if len(keys) != len(buffers):
             raise ConfigError(f"get_batch_into got {len(keys)} keys but {len(buffers)} buffers")
         results: list[GetResult | None] = [None] * len(keys)
@@ -281,11 +362,17 @@ class KVStore:
             except ConfigError as e:
                 results[i] = GetResult(key, "error", error=e)
         corrupt: set[int] = set()
-        todo = self._read_pass(self._pool_read, DRAM, keys, views, results, corrupt, deadline)
-        if self._local is not None:
-            todo = self._read_pass(self._local.read_into, LOCAL, keys, todo, results, corrupt, deadline)
-        if self._shared is not None and todo:
-            todo = self._shared_pass(keys, todo, results, corrupt, deadline)
+        todo = self._read_pass(self._pool_read, DRAM, keys, views, results, corrupt, deadline, 0)
+        if todo and self._lower:
+            # read before any lower tier's bytes: a promotion of what is read now is discarded if a
+            # remove comes after this point (WAL: a read that never waits on a writer)
+            since = self._pool.index.seq()
+            if self._local is not None:
+                todo = self._read_pass(
+                    self._local.read_into, LOCAL, keys, todo, results, corrupt, deadline, since
+                )
+            if self._shared is not None and todo:
+                todo = self._shared_pass(keys, todo, results, corrupt, deadline, since)
         for i in todo:
             results[i] = GetResult(keys[i], "miss", reason="corrupt" if i in corrupt else "absent")
         return [
@@ -304,6 +391,7 @@ class KVStore:
         results: list[GetResult | None],
         corrupt: set[int],
         deadline: float | None,
+        since: int,
     ) -> dict[int, memoryview]:
         """Read what ``tier`` holds of ``views``, in the calling thread; return what is still missing."""
         missing: dict[int, memoryview] = {}
@@ -313,10 +401,12 @@ class KVStore:
             if deadline is not None and time.monotonic() >= deadline:
                 results[i] = GetResult(key, "miss", reason="deadline")
                 continue
-            if self._take(tier, i, key, view, partial(read, key.digest, view), results, corrupt, missing):
+            if self._take(
+                tier, i, key, view, partial(read, key.digest, view), results, corrupt, missing, since
+            ):
                 hits.append(key.digest)
         if tier == DRAM:
-            self._pool.index.touch(hits)
+            self._writeback.touch(hits)  # the LRU update, off the read path
         return missing
 
     def _take(
@@ -329,6 +419,7 @@ class KVStore:
         results: list[GetResult | None],
         corrupt: set[int],
         missing: dict[int, memoryview],
+        since: int,
     ) -> bool:
         """One key's read from ``tier`` (``attempt`` fills ``view``, verified, or says it is absent):
         its result on a hit or an error, into ``missing`` otherwise (a corrupt copy is dropped)."""
@@ -352,7 +443,7 @@ class KVStore:
         results[i] = GetResult(key, "hit", tier=tier, nbytes=view.nbytes)
         counters.add(hits=1, bytes_read=view.nbytes)
         if tier != DRAM:
-            self._writeback.promote(key.digest, bytes(view), tier)
+            self._writeback.promote(key.digest, bytes(view), tier, since)
         return True
 
     def _shared_pass(
@@ -362,8 +453,12 @@ class KVStore:
         results: list[GetResult | None],
         corrupt: set[int],
         deadline: float | None,
+        since: int,
     ) -> dict[int, memoryview]:
-        """Fetch the rest from the shared tier in parallel, waiting no later than ``deadline``."""
+        """Fetch the rest from the shared tier in parallel, waiting no later than ``deadline``.
+
+        A copy that a remove on this host overtook (uploaded by a write-back that started before
+        the remove, and about to be deleted by it) is not served."""
         assert self._shared is not None
         shared = self._shared
         pool = self._reader_pool()
@@ -373,14 +468,19 @@ class KVStore:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         wait_futures(list(futures.values()), timeout=timeout)
         missing: dict[int, memoryview] = {}
+        done = [i for i, fut in futures.items() if fut.done()]
+        stale = self._pool.index.stale_shared([keys[i].digest for i in done]) if done else set()
         for i, fut in futures.items():
             key, view = keys[i], views[i]
             if not fut.done():
                 fut.cancel()  # abandoned: it never touches the caller's buffer
                 results[i] = GetResult(key, "miss", reason="deadline")
                 continue
+            if key.digest in stale:
+                missing[i] = view
+                continue
             self._take(
-                SHARED, i, key, view, partial(_copy_fetched, fut, key, view), results, corrupt, missing
+                SHARED, i, key, view, partial(_copy_fetched, fut, key, view), results, corrupt, missing, since
             )
         return missing
 
@@ -392,7 +492,7 @@ class KVStore:
         try:
             if tier == DRAM:
                 self._pool.unlink(digest)
-                self._pool.index.release([digest], states=(READY, EVICTING))
+                self._pool.index.release([digest], states=(READY, EVICTING, DROPPING))
             elif tier == LOCAL and self._local is not None:
                 self._local.delete(digest)
             elif tier == SHARED and self._shared is not None:
@@ -411,6 +511,7 @@ class KVStore:
     def contains(self, key: BlockKey) -> str | None:
         """The highest tier that holds ``key``'s block now, or None (a copy is not verified here)."""
         self._check_open()
+        _check_keys([key], "contains")
         if self._pool.exists(key.digest):
             return DRAM
         for tier in self._lower:
@@ -426,6 +527,7 @@ class KVStore:
     def block_size(self, key: BlockKey) -> int | None:
         """The stored block's size in bytes (from the highest tier holding it), or None."""
         self._check_open()
+        _check_keys([key], "block_size")
         size = self._pool.block_size(key.digest)
         for tier in self._lower:
             if size is not None:
@@ -439,6 +541,7 @@ class KVStore:
     def lookup_prefix(self, keys: Sequence[BlockKey]) -> int:
         """How many of ``keys``, from the first, are stored in some tier (the longest stored prefix)."""
         self._check_open()
+        _check_keys(keys, "lookup_prefix")
         n = 0
         for key in keys:
             if self._pool.exists(key.digest) or (self._local is not None and self._local.exists(key.digest)):
@@ -475,18 +578,29 @@ class KVStore:
         """Whether a lower tier holds the block: the shared tier is asked, or with
         ``shared_lookup="host"`` the host's record of what it wrote there answers."""
         shared = self._shared
-        if shared is not None and tier is shared and self.config.shared_lookup == "host":
-            return shared.known(digest)
+        if shared is not None and tier is shared:
+            if self.config.shared_lookup == "host":
+                return shared.known(digest)
+            return shared.exists(digest) and not self._pool.index.stale_shared([digest])
         return tier.exists(digest)
 
     def remove(self, keys: Sequence[BlockKey]) -> int:
-        """Remove each block from every tier; the number of keys some tier held."""
+        """Remove each block from every tier; the number of keys some tier held.
+
+        The remove is recorded (a tombstone) before any copy is deleted, and wins over every put,
+        promotion and write-back of the keys under way when it is called: once it returns, no
+        copy they make appears (module docstring of :mod:`shoal.kv._index`), and a put called
+        after it returns stores as usual."""
         self._check_open()
+        _check_keys(keys, "remove")
         removed = 0
+        for start in range(0, len(keys), TXN_KEYS):
+            self._pool.index.tombstone(list(dict.fromkeys(k.digest for k in keys[start : start + TXN_KEYS])))
         for key in keys:
             was = self._pool.exists(key.digest)
             self._pool.unlink(key.digest)
-            self._pool.index.release([key.digest], states=(READY, EVICTING))  # a writer frees its own
+            # a writer frees its own reservation when its commit finds the tombstone
+            self._pool.index.release([key.digest], states=(READY, EVICTING, DROPPING))
             for tier in self._lower:
                 was = tier.delete(key.digest) or was
             if was:
@@ -498,8 +612,9 @@ class KVStore:
         """Keep ``keys`` from being evicted (on every process of the host) until :meth:`unpin`, the
         lease's expiry (``lease_s``, default ``KVConfig.lease_s``) or this process's death."""
         self._check_open()
+        _check_keys(keys, "pin")
         seconds = self.config.lease_s if lease_s is None else lease_s
-        if not seconds > 0:
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < math.inf:
             raise ConfigError(f"KVStore.pin: lease_s must be positive seconds, got {lease_s!r}")
         lease = Lease(secrets.token_hex(8), tuple(keys), time.time() + seconds, tuple(k.digest for k in keys))
         self._pool.index.add_lease(lease.lease_id, list(dict.fromkeys(lease.digests)), lease.expires_at)
@@ -579,6 +694,34 @@ class KVStore:
     def __repr__(self) -> str:
         tiers = [DRAM] + [t.name for t in self._lower]
         return f"KVStore({self._pool.root!r}, tiers={tiers})"
+
+
+def _check_keys(keys: object, call: str) -> None:
+    """Refuse anything but a sequence of :class:`BlockKey` (naming the first bad one)."""
+    if isinstance(keys, str | bytes | bytearray) or not isinstance(keys, Sequence):
+        raise ConfigError(f"KVStore.{call}: keys must be a list of BlockKey, got a {type(keys).__name__}")
+    for i, key in enumerate(keys):
+        if not isinstance(key, BlockKey):
+            raise ConfigError(
+                f"KVStore.{call}: key {i} is a {type(key).__name__} ({key!r:.80}), not a BlockKey; "
+                "build keys with shoal.kv.chain_keys (or use shoal.kv.MooncakeStore for string keys)"
+            )
+
+
+def _check_deadline(deadline: object) -> None:
+    """A deadline is None or a finite, non-negative ``time.monotonic()`` instant."""
+    if deadline is None:
+        return
+    if isinstance(deadline, bool) or not isinstance(deadline, int | float):
+        raise ConfigError(
+            f"KVStore.get_batch_into: deadline must be a time.monotonic() instant in seconds or None, "
+            f"got a {type(deadline).__name__} ({deadline!r:.80})"
+        )
+    if not math.isfinite(deadline) or deadline < 0:
+        raise ConfigError(
+            f"KVStore.get_batch_into: deadline must be a finite time.monotonic() instant, got {deadline!r}; "
+            "pass None for no deadline"
+        )
 
 
 def _copy_fetched(fut: Future[memoryview | None], key: BlockKey, view: memoryview) -> bool:
