@@ -139,7 +139,16 @@ class BlockIndex:
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=OFF")
             self._conn.executescript(_SCHEMA)
-            self._init_meta(capacity)
+            try:
+                self._init_meta(capacity)
+            except (ConfigError, sqlite3.DatabaseError):
+                raise
+            except TierError as e:
+                if "locked" in str(e.__cause__):
+                    raise  # busy, not damaged: never rebuild an index another process holds
+                raise IndexDamaged(f"unreadable meta rows: {e}") from e
+            except (TypeError, ValueError, KeyError) as e:  # rows a damaged page made up
+                raise IndexDamaged(f"unreadable meta rows: {e}") from e
             self._rconn = self._connect(5.0)
         except BaseException:
             self._conn.close()
@@ -176,7 +185,7 @@ class BlockIndex:
             if rows.get("version") != SCHEMA_VERSION:
                 raise IndexDamaged(f"index version {rows.get('version')} != {SCHEMA_VERSION}")
             if set(rows) != set(_META):
-                raise IndexDamaged(f"index meta rows {sorted(rows)} are not {sorted(_META)}")
+                raise IndexDamaged(f"index meta rows {sorted(map(str, rows))} are not {sorted(_META)}")
             if rows.get("capacity") != capacity:
                 raise ConfigError(
                     f"the KV pool at {os.path.dirname(self.path)} was created with dram_bytes="
@@ -192,20 +201,26 @@ class BlockIndex:
         leaves an index that is refused here and rebuilt again.
         """
         with self._lock:
-            rows = self._conn.execute("PRAGMA quick_check").fetchall()
-            if rows != [("ok",)]:
-                raise IndexDamaged(f"quick_check: {'; '.join(str(r[0]) for r in rows[:3])}")
-            names = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            if not set(_TABLES) <= names:
-                raise IndexDamaged(f"tables missing: {sorted(set(_TABLES) - names)}")
-            complete = self._conn.execute("SELECT v FROM meta WHERE k = 'complete'").fetchone()
-            if complete is None or complete[0] != 1:
-                raise IndexDamaged("the index was never filled completely (a rebuild was interrupted)")
-            used, rows_sum = self._conn.execute(
-                "SELECT (SELECT v FROM meta WHERE k = 'used'), (SELECT COALESCE(SUM(phys), 0) FROM blocks)"
-            ).fetchone()
-            if used != rows_sum or used > self.capacity_meta():
-                raise IndexDamaged(f"the running total {used} is not the rows' {rows_sum}, or above capacity")
+            try:
+                self._check()
+            except (TypeError, ValueError, IndexError) as e:  # values a damaged page made up
+                raise IndexDamaged(f"unreadable rows: {e}") from e
+
+    def _check(self) -> None:
+        rows = self._conn.execute("PRAGMA quick_check").fetchall()
+        if rows != [("ok",)]:
+            raise IndexDamaged(f"quick_check: {'; '.join(str(r[0]) for r in rows[:3])}")
+        names = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not set(_TABLES) <= names:
+            raise IndexDamaged(f"tables missing: {sorted(set(_TABLES) - names)}")
+        complete = self._conn.execute("SELECT v FROM meta WHERE k = 'complete'").fetchone()
+        if complete is None or complete[0] != 1:
+            raise IndexDamaged("the index was never filled completely (a rebuild was interrupted)")
+        used, rows_sum = self._conn.execute(
+            "SELECT (SELECT v FROM meta WHERE k = 'used'), (SELECT COALESCE(SUM(phys), 0) FROM blocks)"
+        ).fetchone()
+        if used != rows_sum or used > self.capacity_meta():
+            raise IndexDamaged(f"the running total {used} is not the rows' {rows_sum}, or above capacity")
 
     def capacity_meta(self) -> int:
         return int(self._conn.execute("SELECT v FROM meta WHERE k = 'capacity'").fetchone()[0])

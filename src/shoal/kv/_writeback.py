@@ -195,6 +195,8 @@ class WriteBack:
                     self._flush_touches()
                 else:
                     self._promote(digest, memoryview(payload), lower, since)
+            except ShoalError as e:  # a busy index, a failing tier: said, and the next job goes on
+                log.warning("KV store background job %s %s failed: %s", kind, digest, e)
             except Exception:  # noqa: BLE001 - a background job must not kill the thread
                 log.exception("KV store background job %s %s failed", kind, digest)
             finally:
