@@ -321,7 +321,11 @@ class BlockIndex:
     # -- the pool ---------------------------------------------------------------------------
 
     def reserve(
-        self, items: Sequence[tuple[str, int, int]], *, keep: Collection[str] = ()
+        self,
+        items: Sequence[tuple[str, int, int]],
+        *,
+        keep: Collection[str] = (),
+        resume: list[LruMark | None] | None = None,
     ) -> tuple[list[Reservation], list[Victim], int]:
         """Reserve ``(digest, size, phys)`` for each item (at most :data:`TXN_KEYS`) in one transaction.
 
@@ -332,8 +336,9 @@ class BlockIndex:
         ``keep`` (the rest of the caller's put batch) are never victims: a block the batch lists
         and the pool holds is reported ``present``, so it must stay. A ``READY`` row whose file has
         gone (deleted behind the index's back) is forgotten and reserved anew, so a key is never
-        stuck as present without bytes. The LRU candidates are read once per call, so a batch
-        costs time linear in its size.
+        stuck as present without bytes. The LRU candidates are read once per call, and ``resume``
+        (a one-element list the caller keeps for its whole batch) carries where the scan stopped
+        into the next call, so a batch costs time linear in its size.
         """
         now = time.time()
         out: list[Reservation] = []
@@ -343,7 +348,7 @@ class BlockIndex:
         with self.transaction() as c:
             since = _meta(c, "seq")
             used = _meta(c, "used")
-            lru = _Candidates(c, "blocks", now, skip)
+            lru = _Candidates(c, "blocks", now, skip, resume[0] if resume else None)
             for digest, size, phys in items:
                 row = c.execute(
                     "SELECT state, owner, phys FROM blocks WHERE digest = ?", (digest,)
@@ -375,6 +380,8 @@ class BlockIndex:
                     full_bytes += phys
                 out.append(Reservation(digest, "full", needed=phys, free=self.capacity - used))
             lru.close()
+            if resume is not None:
+                resume[0] = lru.mark
             c.executemany(
                 "UPDATE blocks SET state = ?, owner = ? WHERE digest = ? AND state = ?",
                 [(EVICTING, self.me, v.digest, READY) for v in claimed],
@@ -823,27 +830,50 @@ class BlockIndex:
         return out
 
 
-class _Candidates:
-    """LRU unpinned blocks of one table, read once, handed out in order (linear in the batch)."""
+LruMark = tuple[float, int]
+"""Where an LRU scan of the pool stopped: ``(atime, depth)`` of the first row it did not use."""
 
-    def __init__(self, c: sqlite3.Connection, table: str, now: float, skip: Collection[str]) -> None:
+
+class _Candidates:
+    """LRU unpinned blocks of one table, read lazily once, handed out in order.
+
+    ``start``: a mark from an earlier transaction of the same put batch, so that a batch cut into
+    transactions does not scan again, in each of them, the rows an earlier one went past (the
+    batch's own blocks, which are never victims): the whole batch is one pass over the LRU order.
+    """
+
+    def __init__(
+        self,
+        c: sqlite3.Connection,
+        table: str,
+        now: float,
+        skip: Collection[str],
+        start: LruMark | None = None,
+    ) -> None:
+        args: tuple[object, ...] = (now,)
         if table == "blocks":
+            after = ""
+            if start is not None:
+                after = "AND (atime > ? OR (atime = ? AND depth <= ?)) "
+                args = (now, start[0], start[0], start[1])
             sql = (
-                f"SELECT digest, size, phys, lower FROM blocks b WHERE state = {READY} AND "
-                f"{_UNPINNED.format(t='b')} ORDER BY atime, depth DESC"
+                f"SELECT digest, size, phys, lower, atime, depth FROM blocks b WHERE state = {READY} AND "
+                f"{_UNPINNED.format(t='b')} {after}ORDER BY atime, depth DESC"
             )
         else:
             sql = (
-                f"SELECT digest, 0, phys, NULL FROM local t WHERE state = {READY} AND "
+                f"SELECT digest, 0, phys, NULL, atime, 0 FROM local t WHERE state = {READY} AND "
                 f"{_UNPINNED.format(t='t')} ORDER BY atime"
             )
         self._c = c
         self._sql = sql
-        self._now = now
+        self._args = args
         self._cursor: sqlite3.Cursor | None = None
         self._skip = skip
-        self._held: list[Victim] = []
+        self._held: list[tuple[Victim, LruMark]] = []
         self._held_bytes = 0
+        self.mark: LruMark | None = start
+        """Where a later transaction of the same batch resumes (the first row not used here)."""
 
     def take(self, need: int, *, partial: bool = False, limit: int | None = None) -> list[Victim] | None:
         """The next candidates whose bytes add up to ``need`` (None, taking nothing, if they cannot,
@@ -853,24 +883,28 @@ class _Candidates:
         if self._cursor is None:
             # rows are claimed at the end of the caller's transaction, so the scan never meets its
             # own updates; the rows it inserts meanwhile are WRITING and never candidates
-            self._cursor = self._c.execute(self._sql, (self._now,))
+            self._cursor = self._c.execute(self._sql, self._args)
         while self._held_bytes < need and (limit is None or len(self._held) < limit):
             row = self._cursor.fetchone()
             if row is None:
                 break
+            if not self._held:
+                self.mark = (float(row[4]), int(row[5]))
             if row[0] in self._skip:
                 continue
             v = Victim(str(row[0]), int(row[1]), int(row[2]), row[3])
-            self._held.append(v)
+            self._held.append((v, (float(row[4]), int(row[5]))))
             self._held_bytes += v.phys
         if self._held_bytes < need and not partial:
             return None
         out, total = [], 0
         while self._held and total < need:
-            v = self._held.pop(0)
+            v, _ = self._held.pop(0)
             out.append(v)
             total += v.phys
         self._held_bytes -= total
+        if self._held:
+            self.mark = self._held[0][1]
         return out
 
     def close(self) -> None:

@@ -57,7 +57,7 @@ from shoal.errors import (
     StateError,
 )
 from shoal.kv._buffers import block_view, writable_view
-from shoal.kv._index import DROPPING, EVICTING, READY, TXN_KEYS, Pending, Victim
+from shoal.kv._index import DROPPING, EVICTING, READY, TXN_KEYS, LruMark, Pending, Victim
 from shoal.kv._results import (
     DRAM,
     LOCAL,
@@ -198,8 +198,9 @@ class KVStore:
         order = list(items)
         depth = {d: i for i, d in enumerate(order)}
         at = time.time()  # one instant for the whole batch, whichever round stores a block
+        resume: list[LruMark | None] = [None]  # one pass over the LRU order for the whole batch
         for start in range(0, len(order), TXN_KEYS):
-            self._put_part(order[start : start + TXN_KEYS], items, depth, at, since, out)
+            self._put_part(order[start : start + TXN_KEYS], items, depth, at, since, out, resume)
         return out
 
     def _put_part(
@@ -210,13 +211,14 @@ class KVStore:
         at: float,
         since: int | None,
         out: dict[str, tuple[bool, str | None, ShoalError | None]],
+        resume: list[LruMark | None],
     ) -> None:
         pending = part
         last: dict[str, tuple[int, int]] = {}
         index = self._pool.index
         for attempt in range(6):
             reqs = [(d, items[d][0].nbytes, physical_bytes(items[d][0].nbytes)) for d in pending]
-            reservations, victims, reserved_since = index.reserve(reqs, keep=items.keys())
+            reservations, victims, reserved_since = index.reserve(reqs, keep=items.keys(), resume=resume)
             order = reserved_since if since is None else min(since, reserved_since)
             full: list[str] = []
             stale: list[str] = []
