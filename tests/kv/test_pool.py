@@ -101,14 +101,11 @@ def test_an_eviction_that_ends_after_its_victim_was_removed_and_put_again_frees_
         assert store.get_batch_into(k, [buf])[0].tier == "dram" and buf == payload(0)
 
 
-def test_a_remove_while_a_put_of_the_block_is_under_way_wins_and_leaves_nothing(
-    shm_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A put reserved its block, then a remove of the block runs, and the put's file is written
-    and committed between the remove's deleting the pool file and freeing the row (the race of
-    the random workload: a promotion of a lower-tier hit landing under a remove). The remove was
-    called after the put began and before it ended; once it has returned the block must be gone,
-    and no byte may stay on tmpfs uncounted."""
+def test_a_remove_while_a_put_of_the_block_is_under_way_wins_and_leaves_nothing(shm_path: Path) -> None:
+    """A put reserved its block, then a remove of the block runs, and only then the put's file is
+    written and committed (the race of the random workload: a promotion of a lower-tier hit landing
+    under a remove, which once left its file on tmpfs uncounted). The remove was called after the
+    put began; once it has returned the block must be gone, and no byte may stay on tmpfs."""
     root = shm_path / "pool"
     cfg = KVConfig(str(root), 4 * PHYS, writeback=False, high_water=1.0)
     k = keys(1)
@@ -117,21 +114,12 @@ def test_a_remove_while_a_put_of_the_block_is_under_way_wins_and_leaves_nothing(
         pool = store._pool
         reservations, _, since = pool.index.reserve([(k[0].digest, BLOCK, PHYS)])  # the put begins
         assert reservations[0].outcome == "reserved"
-        unlink = pool.unlink
-        outcome: list[tuple[list[str], list[str]]] = []
-
-        def unlink_then_the_put_lands(digest: str) -> None:
-            unlink(digest)
-            tmp = pool.write_temp(digest, encode_header(digest, view), view)
-            committed, removed, _ = pool.index.commit([Pending(digest, tmp, None, 0)], since)
-            outcome.append((committed, removed))
-            if removed:
-                os.unlink(tmp)
-                pool.index.release_mine(removed)
-
-        monkeypatch.setattr(pool, "unlink", unlink_then_the_put_lands)
-        store.remove(k)
-        assert outcome == [([], [k[0].digest])]  # the put found the remove's tombstone
+        assert store.remove(k) == 0  # nothing stored yet; the put's reservation stays its own
+        tmp = pool.write_temp(k[0].digest, encode_header(k[0].digest, view), view)
+        committed, removed, _ = pool.index.commit([Pending(k[0].digest, tmp, None, 0)], since)
+        assert (committed, removed) == ([], [k[0].digest])  # the put found the remove's tombstone
+        os.unlink(tmp)
+        pool.index.release_mine(removed)
         assert _index_used(root) == (0, 0) and disk_bytes(root) == 0
         assert store.contains(k[0]) is None
         assert store.get_batch_into(k, [bytearray(BLOCK)])[0].status == "miss"

@@ -25,13 +25,15 @@ States of a pool block: ``WRITING`` (bytes reserved, the file being written by `
 served, still counted; a pin taken now keeps it), ``DROPPING`` (its eviction is decided: the file
 is about to be unlinked; still counted until it is).
 
-Removal order: ``remove`` takes a sequence number (``meta.seq``) and records it as the block's
-tombstone *before* it deletes any copy. Everything that makes a copy appear from bytes it read
-earlier (a put, a promotion of a lower-tier hit, a write-back) carries the sequence number it
-read before reading its bytes (``since``) and makes its copy visible (the rename into the pool or
-the local tier) inside a transaction that first checks for a tombstone newer than ``since``: if
-there is one, the copy is discarded. So a remove wins over every operation that was under way
-when it was called, and a put that starts after it returns is not affected by it. Copies on the
+Removal order: ``remove`` takes a sequence number (``meta.seq``), records it as the block's
+tombstone and deletes the pool and local copies, all in one transaction. Everything that makes a
+copy appear from bytes it read earlier (a put, a promotion of a lower-tier hit, a write-back)
+carries the sequence number it read before reading its bytes (``since``) and makes its copy
+visible (the rename into the pool or the local tier) inside a transaction that first checks for a
+tombstone newer than ``since``: if there is one, the copy is discarded. An operation that read
+``since`` after the remove committed found no old bytes to read. So a remove wins over every
+operation that was under way when it was called, and a put that starts after it returns is not
+affected by it. Copies on the
 shared tier (an object store cannot rename) are checked after their upload and deleted if a
 remove came meanwhile; until then, a host that sees the tombstone does not serve them.
 
@@ -281,23 +283,53 @@ class BlockIndex:
         """The removal sequence now: what an operation about to read bytes carries as ``since``."""
         return int(self._read("SELECT v FROM meta WHERE k = 'seq'")[0][0])  # type: ignore[call-overload]
 
-    def tombstone(self, digests: Sequence[str]) -> int:
-        """Record a remove of ``digests`` (before any copy is deleted); return its sequence number."""
+    def remove(self, digests: Sequence[str], unlink: Callable[[str], bool]) -> set[str]:
+        """Remove blocks from the pool and the local tier in one transaction; return those some
+        copy of was there.
+
+        Inside it: a tombstone for each digest with a new sequence number, then ``unlink(digest)``
+        (the caller deletes the pool and local files; whether one existed), then the rows go and
+        their bytes are freed. Anything that reads the sequence number before this commits and
+        copies the old bytes is stopped by the tombstone (its commit checks for a newer one);
+        anything that reads it after finds no old bytes left to copy, on either tier. A pool or
+        local row being written (``WRITING``) is not freed here: its writer's commit finds the
+        tombstone and frees it.
+        """
+        found: set[str] = set()
         with self.transaction() as c:
             seq = _meta(c, "seq") + 1
             _set_meta(c, "seq", seq)
             c.executemany(
                 "INSERT OR REPLACE INTO removed(digest, seq) VALUES (?, ?)", [(d, seq) for d in digests]
             )
-            n = int(c.execute("SELECT COUNT(*) FROM removed").fetchone()[0])
-            if n > TOMBSTONES:
-                cut = c.execute(
-                    "SELECT seq FROM removed ORDER BY seq LIMIT 1 OFFSET ?", (n - TOMBSTONES // 2,)
-                ).fetchone()
-                if cut is not None:
-                    c.execute("DELETE FROM removed WHERE seq < ?", (cut[0],))
-                    _set_meta(c, "floor", max(_meta(c, "floor"), int(cut[0]) - 1))
-        return seq
+            freed = local_freed = 0
+            for d in digests:
+                if unlink(d):
+                    found.add(d)
+                row = c.execute("SELECT phys, state FROM blocks WHERE digest = ?", (d,)).fetchone()
+                if row is not None and row[1] != WRITING:
+                    c.execute("DELETE FROM blocks WHERE digest = ?", (d,))
+                    freed += int(row[0])
+                row = c.execute("SELECT phys, state FROM local WHERE digest = ?", (d,)).fetchone()
+                if row is not None and row[1] != WRITING:
+                    c.execute("DELETE FROM local WHERE digest = ?", (d,))
+                    local_freed += int(row[0])
+            if freed:
+                _set_meta(c, "used", _meta(c, "used") - freed)
+            if local_freed:
+                _set_meta(c, "local_used", _meta(c, "local_used") - local_freed)
+            self._prune_tombstones(c)
+        return found
+
+    def _prune_tombstones(self, c: sqlite3.Connection) -> None:
+        n = int(c.execute("SELECT COUNT(*) FROM removed").fetchone()[0])
+        if n > TOMBSTONES:
+            cut = c.execute(
+                "SELECT seq FROM removed ORDER BY seq LIMIT 1 OFFSET ?", (n - TOMBSTONES // 2,)
+            ).fetchone()
+            if cut is not None:
+                c.execute("DELETE FROM removed WHERE seq < ?", (cut[0],))
+                _set_meta(c, "floor", max(_meta(c, "floor"), int(cut[0]) - 1))
 
     def removed_since(self, digests: Iterable[str], since: int) -> set[str]:
         """Those of ``digests`` removed after ``since`` (all of them if ``since`` predates the
@@ -555,8 +587,13 @@ class BlockIndex:
         a, b, c, d = rows[0]
         return int(a), int(b), int(c), int(d)  # type: ignore[call-overload]
 
-    def evicting_count(self) -> int:
-        rows = self._read("SELECT COUNT(*) FROM blocks WHERE state IN (?, ?)", (EVICTING, DROPPING))
+    def in_flight_count(self) -> int:
+        """Pool blocks that will be evictable or freed soon: being evicted, or being written by
+        another process (its put will mark them ``READY`` or free them)."""
+        rows = self._read(
+            "SELECT COUNT(*) FROM blocks WHERE state IN (?, ?) OR (state = ? AND owner != ?)",
+            (EVICTING, DROPPING, WRITING, self.me),
+        )
         return int(rows[0][0])  # type: ignore[call-overload]
 
     # -- leases -----------------------------------------------------------------------------

@@ -185,6 +185,12 @@ class LocalBlocks(_BlocksOnTier):
             self.index.local_forget([digest])
         return there
 
+    def unlink(self, digest: str) -> bool:
+        """Delete the block's file only (the caller fixes the count in its own transaction)."""
+        there = self.exists(digest)
+        self.tier.delete(block_path(digest))
+        return there
+
     def listing(self, counted: Collection[str]) -> dict[str, tuple[int, float]]:
         """Every whole block file, ``digest -> (physical bytes, mtime)``: the headers of files the
         index does not count (``counted``) are read and checked; torn, foreign and misplaced files

@@ -104,6 +104,10 @@ __all__ = [
 ]
 
 _KEY_MEMORY = 1 << 16
+_PUT_ROUNDS = 10
+"""Rounds of reserve-and-evict a put tries before it sends a block to the next tier (or fails):
+while other processes' evictions and writes are in flight it waits for them, 20 ms more each
+round (at most about a second in all)."""
 _SHARED_THREADS = 8
 
 
@@ -216,7 +220,7 @@ class KVStore:
         pending = part
         last: dict[str, tuple[int, int]] = {}
         index = self._pool.index
-        for attempt in range(6):
+        for attempt in range(_PUT_ROUNDS):
             reqs = [(d, items[d][0].nbytes, physical_bytes(items[d][0].nbytes)) for d in pending]
             reservations, victims, reserved_since = index.reserve(reqs, keep=items.keys(), resume=resume)
             order = reserved_since if since is None else min(since, reserved_since)
@@ -237,10 +241,10 @@ class KVStore:
                 break
             if stale:  # a dead process's half-written copy: sweep it (files first), then again
                 self._pool.sweep()
-            elif not victims:  # nothing evictable now: dead processes' rows, or others' write-backs
+            elif not victims:  # nothing evictable now: dead processes' rows, others' writes or write-backs
                 if attempt == 0:
                     self._pool.sweep()
-                elif index.evicting_count() == 0 or attempt >= 4:
+                elif index.in_flight_count() == 0 or attempt >= _PUT_ROUNDS - 2:
                     break
                 else:
                     time.sleep(0.02 * attempt)
@@ -589,22 +593,31 @@ class KVStore:
     def remove(self, keys: Sequence[BlockKey]) -> int:
         """Remove each block from every tier; the number of keys some tier held.
 
-        The remove is recorded (a tombstone) before any copy is deleted, and wins over every put,
-        promotion and write-back of the keys under way when it is called: once it returns, no
+        The remove is recorded (a tombstone) in the same index transaction that deletes the DRAM
+        and local copies, and wins over every put, promotion and write-back of the keys under way
+        when it is called: once it returns, no
         copy they make appears (module docstring of :mod:`shoal.kv._index`), and a put called
         after it returns stores as usual."""
         self._check_open()
         _check_keys(keys, "remove")
-        removed = 0
+        local = self._local
+
+        def unlink(digest: str) -> bool:  # inside the index transaction: no index call here
+            was = self._pool.exists(digest)
+            self._pool.unlink(digest)
+            if local is not None:
+                was = local.unlink(digest) or was
+            return was
+
+        found: set[str] = set()
         for start in range(0, len(keys), TXN_KEYS):
-            self._pool.index.tombstone(list(dict.fromkeys(k.digest for k in keys[start : start + TXN_KEYS])))
-        for key in keys:
-            was = self._pool.exists(key.digest)
-            self._pool.unlink(key.digest)
-            # a writer frees its own reservation when its commit finds the tombstone
-            self._pool.index.release([key.digest], states=(READY, EVICTING, DROPPING))
-            for tier in self._lower:
-                was = tier.delete(key.digest) or was
+            part = list(dict.fromkeys(k.digest for k in keys[start : start + TXN_KEYS]))
+            found |= self._pool.index.remove(part, unlink)
+        removed = 0
+        for key in dict.fromkeys(keys):
+            was = key.digest in found
+            if self._shared is not None:
+                was = self._shared.delete(key.digest) or was
             if was:
                 removed += 1
                 self._emit("removed", key.digest, "all", 0)
