@@ -379,6 +379,9 @@ def test_a_keyboard_interrupt_inside_put_batch_leaves_a_consistent_pool(shm_path
     ks = keys(6)
     failpoints.configure(f"{FP_BEFORE_RENAME}=delay:2")
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    # Python ignores SIGINT when started with it ignored (a shell's background job): make it the
+    # KeyboardInterrupt a user's Ctrl-C is, for this test
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     with KVStore(cfg) as store:
         store.put_batch(keys(4, seq=3), [payload(20 + i) for i in range(4)])  # victims to claim
         try:
@@ -387,6 +390,7 @@ def test_a_keyboard_interrupt_inside_put_batch_leaves_a_consistent_pool(shm_path
                 store.put_batch(ks, [payload(i) for i in range(6)])  # >= 12 s: interrupted inside
         finally:
             timer.cancel()
+            signal.signal(signal.SIGINT, before)
             failpoints.configure("")
         total, rows, busy = _index_rows(root)
         assert busy == 0, "a reservation or a claim outlived the interrupted put"

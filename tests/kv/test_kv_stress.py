@@ -34,7 +34,7 @@ from . import stress_workers as sw
 from .kv_workers import BLOCK, PHYS, keys, payload
 
 SPAWN = mp.get_context("spawn")
-STRESS_S = float(os.environ.get("SHOAL_KV_STRESS_S", "8"))
+STRESS_S = float(os.environ.get("SHOAL_KV_STRESS_S", "5"))
 """Seconds of load in the stress test."""
 N_WORKERS = 5
 CAP_BLOCKS = 12
