@@ -32,13 +32,13 @@ Pure: numpy and scipy over plain numbers; no I/O.
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from scipy import optimize, special, stats
 
 from shoal.errors import ConfigError
 
@@ -57,6 +57,30 @@ FAMILIES = ("lognormal", "gamma")
 """The per-writer families :func:`fit_writers` knows."""
 
 _SQRT_2PI = np.sqrt(2 * np.pi)
+_LOG_SQRT_2PI = np.log(_SQRT_2PI)
+
+
+class _OnFirstUse:
+    """A scipy module imported when a fit first needs it, not when shoal is imported.
+
+    ``import shoal`` sits in every training process and every CLI call; scipy's optimize and
+    special cost about a second of CPU to import, which only a model fit needs.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(importlib.import_module(self._name), attr)
+
+
+optimize: Any = _OnFirstUse("scipy.optimize")
+special: Any = _OnFirstUse("scipy.special")
+
+
+def _norm_logpdf(x: np.ndarray) -> np.ndarray:
+    """The standard normal's log density (what ``scipy.stats.norm.logpdf`` computes, without scipy.stats)."""
+    return np.asarray(-(x**2) / 2.0 - _LOG_SQRT_2PI)
 _G_POINTS = 1201
 """Grid points over g for the slowest writer's distribution (+- 8 tau): smooth to well under 1%."""
 _GAMMA_POINTS = 81
@@ -343,14 +367,14 @@ def _slowest_loglik(family: str, d: _Data, m: np.ndarray, sigma: float, tau: Any
     """
     t = np.maximum.reduceat(d.seconds, d.starts[:-1])[d.group]  # each row: its checkpoint's slowest
     z = np.linspace(-6.0, 6.0, _SLOWEST_POINTS)  # g = tau z
-    log_w = stats.norm.logpdf(z)
+    log_w = _norm_logpdf(z)
     log_w -= special.logsumexp(log_w)
     taus = np.broadcast_to(np.asarray(tau, dtype=float), (len(d.starts) - 1,))
     mu = m[:, None] + taus[d.group][:, None] * z[None, :]  # rows x grid
     if family == "lognormal":
         x = (np.log(t)[:, None] - mu) / sigma
         log_cdf = special.log_ndtr(x)
-        log_pdf = stats.norm.logpdf(x) - math.log(sigma) - np.log(t)[:, None]
+        log_pdf = _norm_logpdf(x) - math.log(sigma) - np.log(t)[:, None]
     else:
         k = 1.0 / (sigma * sigma)
         y = k * t[:, None] * np.exp(-mu)
