@@ -81,6 +81,8 @@ special: Any = _OnFirstUse("scipy.special")
 def _norm_logpdf(x: np.ndarray) -> np.ndarray:
     """The standard normal's log density (what ``scipy.stats.norm.logpdf`` computes, without scipy.stats)."""
     return np.asarray(-(x**2) / 2.0 - _LOG_SQRT_2PI)
+
+
 _G_POINTS = 1201
 """Grid points over g for the slowest writer's distribution (+- 8 tau): smooth to well under 1%."""
 _GAMMA_POINTS = 81
