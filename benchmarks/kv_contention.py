@@ -7,7 +7,8 @@ Three measurements on one host pool (a tmpfs directory):
 * ``contention``: while another process stores a ``--batch``-key ``put_batch`` (small blocks, into a
   pool that has to evict for it), this process calls ``get_batch_into(deadline=now + d)`` on 64
   DRAM blocks in a loop; reported: how long each call took, and by how much it overran its deadline
-  (p50, p99, max), next to the same loop with no writer.
+  (p50, p99, max), next to the same loop with no writer; and the longest index write transaction
+  the writer held (``KVStats.longest_index_write_s``: what any other process's put may wait for).
 * ``linear``: seconds of one ``put_batch`` of n keys the pool holds (its least recently used) and n
   new ones into a full pool, for n = 1,000 and 10,000 (each new key evicts, and a batch never
   evicts a key it lists): the ratio is 10 when a batch costs time linear in its size.
@@ -55,7 +56,7 @@ def _quantiles(xs: list[float]) -> dict[str, float]:
     }
 
 
-def _writer(root: str, cap: int, batch: int, started: Any, done: Any) -> None:
+def _writer(root: str, cap: int, batch: int, started: Any, done: Any, longest: Any) -> None:
     from shoal.kv import KVConfig, KVStore
 
     with KVStore(KVConfig(root, cap, writeback=False, high_water=1.0)) as store:
@@ -63,7 +64,13 @@ def _writer(root: str, cap: int, batch: int, started: Any, done: Any) -> None:
         started.set()
         for rnd in range(3):
             store.put_batch(_keys(batch, f"writer-{rnd}"), data)
+        longest.value = _longest_write(store)
     done.set()
+
+
+def _longest_write(store: Any) -> float:
+    """The store's longest index write transaction (-1: a version of shoal that does not report it)."""
+    return float(getattr(store.stats(), "longest_index_write_s", -1.0))
 
 
 def _gets(
@@ -116,12 +123,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bufs = [bytearray(BLOCK) for _ in keys]
             out["quiet"] = _gets(store, keys, bufs, args.deadline, None, args.reps)
             ctx = mp.get_context("spawn")
-            started, done = ctx.Event(), ctx.Event()
-            proc = ctx.Process(target=_writer, args=(root, cap, args.batch, started, done))
+            started, done, longest = ctx.Event(), ctx.Event(), ctx.Value("d", -1.0)
+            proc = ctx.Process(target=_writer, args=(root, cap, args.batch, started, done, longest))
             proc.start()
             started.wait(120)
             out["contention"] = _gets(store, keys, bufs, args.deadline, done, 10**9)
             proc.join(600)
+            out["contention"]["writer_longest_write_s"] = longest.value
             store.unpin(lease)
         # -- linear ------------------------------------------------------------------------------
         for n in (1000, 10000):
@@ -135,6 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 store.put_batch(old + _keys(n, "timed"), data + data)  # n present, n new
                 out[f"put{n}_s"] = time.perf_counter() - t0
+                out[f"put{n}_longest_write_s"] = _longest_write(store)
         out["linear_ratio"] = out["put10000_s"] / out["put1000_s"]
         out["args"] = vars(args)
     finally:
@@ -161,6 +170,15 @@ def report(name: str, r: dict[str, Any]) -> None:
         f"  put_batch of 1,000 / 10,000 held + as many new keys into a full pool: {r['put1000_s']:.3f} s / "
         f"{r['put10000_s']:.3f} s (ratio {r['linear_ratio']:.1f}; 10 is linear)"
     )
+    held = [
+        r["contention"].get("writer_longest_write_s", -1.0),
+        r.get("put10000_longest_write_s", -1.0),
+    ]
+    if max(held) >= 0:
+        print(
+            "  longest index write transaction: "
+            f"{held[0] * 1e3:.1f} ms (the contending writer), {held[1] * 1e3:.1f} ms (the 10,000-key batch)"
+        )
 
 
 def main() -> None:

@@ -325,6 +325,18 @@ def test_a_locked_index_is_a_shoal_error_naming_it_not_a_sqlite_one(
             store.put_batch(keys(1), [payload(0)])
 
 
+def test_a_store_reports_the_longest_it_held_the_index_write_lock(shm_path: Path) -> None:
+    with KVStore(KVConfig(str(shm_path / "pool"), 4 * PHYS)) as store:
+        store.put_batch(keys(2), [payload(0), payload(1)])
+        after_put = store.stats().longest_index_write_s
+        assert after_put > 0.0
+        t0 = time.monotonic()
+        with store._pool.index.transaction():  # a transaction held for a known time
+            time.sleep(0.2)
+        held = time.monotonic() - t0
+        assert 0.2 <= store.stats().longest_index_write_s <= max(held, after_put)
+
+
 # -- 5. a damaged block is a damaged block ----------------------------------------------------------
 
 

@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from time import perf_counter  # a transaction's hold time (tests move the module's `time` clock)
 
 from shoal.errors import ConfigError, TierError
 from shoal.kv._owners import OwnerLock
@@ -136,6 +137,8 @@ class BlockIndex:
         self.me = owner.token
         self._lock = threading.Lock()
         self._rlock = threading.Lock()
+        self.longest_write_s = 0.0
+        """The longest this process held the index's write lock, from ``BEGIN`` granted to ``COMMIT`` done."""
         self._conn = self._connect(LOCK_WAIT_S)
         try:
             self._conn.execute("PRAGMA journal_mode=WAL")
@@ -245,18 +248,22 @@ class BlockIndex:
                 c.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as e:
                 raise self._error("lock", e) from e
+            t0 = perf_counter()
             try:
-                yield c
-            except BaseException as err:
-                with suppress(sqlite3.Error):
-                    c.execute("ROLLBACK")
-                if isinstance(err, sqlite3.Error):
-                    raise self._error("update", err) from err
-                raise
-            try:
-                c.execute("COMMIT")
-            except sqlite3.Error as e:
-                raise self._error("commit to", e) from e
+                try:
+                    yield c
+                except BaseException as err:
+                    with suppress(sqlite3.Error):
+                        c.execute("ROLLBACK")
+                    if isinstance(err, sqlite3.Error):
+                        raise self._error("update", err) from err
+                    raise
+                try:
+                    c.execute("COMMIT")
+                except sqlite3.Error as e:
+                    raise self._error("commit to", e) from e
+            finally:
+                self.longest_write_s = max(self.longest_write_s, perf_counter() - t0)
 
     def _error(self, what: str, err: sqlite3.Error) -> TierError:
         if isinstance(err, sqlite3.OperationalError) and "locked" in str(err):

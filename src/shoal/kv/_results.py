@@ -155,6 +155,9 @@ class KVStats:
     tiers: Mapping[str, TierStats]
     pending_writebacks: int = 0
     corrupt: int = 0
+    longest_index_write_s: float = 0.0
+    """The longest this store (its calls and its background jobs) held the host index's write lock
+    in one transaction, in seconds: what another process's put or remove may have waited for it."""
 
 
 @dataclass(frozen=True)

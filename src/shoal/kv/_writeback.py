@@ -3,13 +3,14 @@
 One :class:`WriteBack` per store: a daemon thread that takes jobs from a queue. ``kick`` asks it to
 claim least-recently-used unpinned blocks until the pool is under its high-water mark and evict
 them; ``promote`` asks it to copy a block read from a lower tier into the pool; ``touch`` records
-the reads' LRU updates (the read path never writes to the index). :meth:`evict` is also called
-inline by a put that found no room. Evicting blocks: write each to the next tier (verified first;
-skipped when the index says a lower tier has it, or with ``writeback=False``), decide the drop in
-the index (a victim pinned since it was claimed stays), unlink the pool files, then free their
-bytes, in that order, so the files never hold more than the index counts. A block whose
-write-back failed goes back to ``READY`` (still served), and so does every victim an exception
-(even a ``KeyboardInterrupt``) left unhandled.
+the reads' LRU updates (the read path never writes to the index), which the thread writes in one
+transaction at most every :data:`TOUCH_INTERVAL_S` (and this store's own evictions first).
+:meth:`evict` is also called inline by a put that found no room. Evicting blocks: write each to
+the next tier (verified first; skipped when the index says a lower tier has it, or with
+``writeback=False``), decide the drop in the index (a victim pinned since it was claimed stays),
+unlink the pool files, then free their bytes, in that order, so the files never hold more than
+the index counts. A block whose write-back failed goes back to ``READY`` (still served), and so
+does every victim an exception (even a ``KeyboardInterrupt``) left unhandled.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ Promote = Callable[[str, memoryview, str, int], None]
 removal sequence read before the payload was)."""
 _TOUCHES = 1 << 16
 """The most LRU updates waiting for the thread; past it, new ones are dropped (bookkeeping only)."""
+TOUCH_INTERVAL_S = 0.1
+"""How long a read's LRU update may wait before the thread writes it to the host index: other
+processes' evictions see it then (this store's own puts and evictions apply it first). One index
+transaction per interval, however many reads: a transaction and a thread hand-off per read cost
+the read path a sixth of its time."""
 
 
 class WriteBack:
@@ -57,7 +63,8 @@ class WriteBack:
         self._promote = promote
         self._jobs: queue.Queue[tuple[str, str, bytes, str, int] | None] = queue.Queue(maxsize=256)
         self._touches: dict[str, tuple[float, int]] = {}
-        self._touch_queued = False
+        self._touch_due: float | None = None
+        """When the thread writes the waiting touches (monotonic); None while none wait."""
         self._idle = threading.Condition()
         self._pending = 0
         self._kicked = False
@@ -89,12 +96,13 @@ class WriteBack:
             if len(self._touches) < _TOUCHES:
                 for i, d in enumerate(digests):
                     self._touches[d] = (now, i)
-            if self._touch_queued:
-                return
-            self._touch_queued = True
+            if self._touch_due is not None:
+                return  # the thread already waits to write them
+            self._touch_due = time.monotonic() + TOUCH_INTERVAL_S
+        # wake the thread (it may be waiting for a job with no timeout) so that it sets its timer
         if not self._submit(("touch", "", b"", "", 0), block=False):
             with self._idle:
-                self._touch_queued = False  # the next read asks again
+                self._touch_due = None  # the queue is full: the next read asks again
 
     def _submit(self, job: tuple[str, str, bytes, str, int], *, block: bool = True) -> bool:
         with self._idle:
@@ -111,7 +119,8 @@ class WriteBack:
             return self._pending
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued job ran; whether they did within ``timeout``."""
+        """Wait until every queued job ran, then write the waiting LRU updates; whether the jobs
+        ran within ``timeout``."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._idle:
             while self._pending:
@@ -119,6 +128,7 @@ class WriteBack:
                 if left is not None and left <= 0:
                     return False
                 self._idle.wait(left)
+        self._flush_touches()
         return True
 
     def close(self, timeout: float | None = 30.0) -> None:
@@ -182,7 +192,13 @@ class WriteBack:
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
+            with self._idle:
+                due = self._touch_due
+            try:
+                job = self._jobs.get(timeout=None if due is None else max(0.0, due - time.monotonic()))
+            except queue.Empty:  # the touches are due
+                self._flush_touches()
+                continue
             if job is None:
                 return
             kind, digest, payload, lower, since = job
@@ -192,7 +208,7 @@ class WriteBack:
                         self._kicked = False
                     self._evict_to_high_water()
                 elif kind == "touch":
-                    self._flush_touches()
+                    pass  # a wake-up: the loop's next wait ends when the touches are due
                 else:
                     self._promote(digest, memoryview(payload), lower, since)
             except ShoalError as e:  # a busy index, a failing tier: said, and the next job goes on
@@ -213,10 +229,14 @@ class WriteBack:
 
     def _flush_touches(self) -> None:
         with self._idle:
-            self._touch_queued = False
-        self.apply_touches()
+            self._touch_due = None
+        try:
+            self.apply_touches()
+        except ShoalError as e:  # a busy index: bookkeeping, dropped
+            log.warning("KV store: LRU updates of recent reads dropped: %s", e)
 
     def _evict_to_high_water(self) -> None:
+        self.apply_touches()  # what this store read before counts
         for _ in range(64):
             victims, since = self.pool.index.claim_above(self.high_water_bytes)
             if not victims:

@@ -677,7 +677,7 @@ class KVStore:
         tiers = {}
         for name, (blocks, used, cap) in contents.items():
             tiers[name] = TierStats(blocks, used, cap, *self._counters[name].snapshot())
-        return KVStats(tiers, self._writeback.pending(), self._corrupt)
+        return KVStats(tiers, self._writeback.pending(), self._corrupt, self._pool.index.longest_write_s)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until this store's pending write-backs and promotions landed."""
