@@ -41,7 +41,13 @@ from shoal.errors import FormatError, ShoalError, TierError
 from shoal.kv._index import WRITING, BlockIndex
 from shoal.kv._owners import OwnerLock, temp_name, temp_owner
 from shoal.kv.blockfile import HEADER_SIZE, BlockHeader, check_block, parse_header, verify_payload
-from shoal.tiers.local import check_private, ensure_private_dirs, is_temp_name, open_private
+from shoal.tiers.local import (
+    check_private,
+    ensure_private_dirs,
+    is_temp_name,
+    open_private,
+    open_private_stat,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +88,11 @@ def read_block_file_into(path: str, digest: str, out: memoryview, where: str) ->
     the local tier both read their block files here.
     """
     try:
-        fd = open_private(path, os.O_RDONLY)
+        fd, st = open_private_stat(path, os.O_RDONLY)
     except (FileNotFoundError, NotADirectoryError):
         return False
     try:
-        size = os.fstat(fd).st_size
+        size = st.st_size
         if size - HEADER_SIZE != out.nbytes:
             # Either the file is damaged (truncated, extended: its size disagrees with its own
             # header) or the caller's buffer is the wrong size for a whole block: tell them apart.

@@ -154,6 +154,11 @@ def open_private(path: str, flags: int) -> int:
     Raises :class:`~shoal.errors.OwnershipError` (and closes the descriptor) otherwise.
     ``FileNotFoundError`` propagates for a missing file.
     """
+    return open_private_stat(path, flags)[0]
+
+
+def open_private_stat(path: str, flags: int) -> tuple[int, os.stat_result]:
+    """:func:`open_private`, and the ``fstat`` it checked (a reader that needs the size has it)."""
     try:
         fd = os.open(path, flags | _NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE_MODE)
     except OSError as e:
@@ -168,7 +173,7 @@ def open_private(path: str, flags: int) -> int:
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st
 
 
 def fsync_dir(directory: str) -> None:
