@@ -11,8 +11,8 @@ import torch
 
 import shoal
 from shoal import failpoints
-from shoal.engine.events import read_events
 from shoal.format import layout
+from shoal.records.events import read_events
 from shoal.testing.checkpoints import (
     assert_state_equal,
     make_config,

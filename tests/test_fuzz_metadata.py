@@ -37,10 +37,10 @@ from hypothesis import strategies as st
 
 import shoal
 from shoal.cli.main import main as shoal_cli
-from shoal.engine.store import read_manifest, read_pointer, resolve_manifest
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.manifest import Pointer
+from shoal.records.store import read_manifest, read_pointer, resolve_manifest
 from shoal.testing.checkpoints import SMALL_CHUNK, assert_state_equal
 from shoal.tiers import open_tier
 

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 import shoal
-from shoal.engine.events import read_events
 from shoal.engine.path import DIRECT, PARTNER, ModelPolicy, PathContext, PathDecision, RulePolicy, decide_path
+from shoal.records.events import read_events
 from shoal.testing import scenarios
 from shoal.testing.checkpoints import make_config
 from shoal.testing.multiproc import run_ranks

@@ -54,7 +54,6 @@ from shoal.boundary import Boundary
 from shoal.engine.handle import SaveHandle
 from shoal.engine.restore import LoadReport, Restore
 from shoal.engine.runtime import Runtime
-from shoal.engine.stager import StageEntry
 from shoal.errors import (
     CollectiveMismatch,
     ConfigError,
@@ -67,6 +66,7 @@ from shoal.errors import (
 from shoal.format.crosscheck import check_metadata, item_dtype, item_key
 from shoal.format.dcp_codec import decode_metadata
 from shoal.format.manifest import ItemRecord, Manifest
+from shoal.records.stager import StageEntry
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import shoal
 from shoal import failpoints
-from shoal.engine.store import list_checkpoints
 from shoal.format.chunking import digest
+from shoal.records.store import list_checkpoints
 from shoal.testing.multiproc import run_ranks
 from shoal.tiers.roles import Role, open_role
 

@@ -10,9 +10,9 @@ import torch
 
 import shoal
 from shoal.cli.main import main
-from shoal.engine.events import read_events
-from shoal.engine.exposure_log import advise_from_events
 from shoal.model.advisor import CheckpointTiming, FailureModel, advise_intervals
+from shoal.records.events import read_events
+from shoal.records.exposure_log import advise_from_events
 from shoal.testing.checkpoints import make_config
 
 from .exposure_logs import line, record, synthetic_log

@@ -13,7 +13,7 @@ import torch
 
 import shoal
 from shoal.cli.main import main
-from shoal.engine.exposure_log import read_run_log
+from shoal.records.exposure_log import read_run_log
 from shoal.testing.checkpoints import make_config
 
 from .exposure_logs import SYNTHETIC_RUN, line, synthetic_log

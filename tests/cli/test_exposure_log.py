@@ -1,4 +1,4 @@
-"""A run read back from its event log (shoal.engine.exposure_log): saves, stalls, lags, advice."""
+"""A run read back from its event log (shoal.records.exposure_log): saves, stalls, lags, advice."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from shoal.engine.events import read_events
-from shoal.engine.exposure_log import advise_from_events, measure_paths, read_run_log, run_log
 from shoal.errors import MissingFile, ShoalError
 from shoal.model.advisor import CheckpointTiming, FailureModel, advise_intervals
 from shoal.model.exposure import exposure_timeline
+from shoal.records.events import read_events
+from shoal.records.exposure_log import advise_from_events, measure_paths, read_run_log, run_log
 
 from .exposure_logs import SYNTHETIC_RUN, line, synthetic_log
 

@@ -14,11 +14,11 @@ import torch
 
 import shoal
 from shoal import failpoints
-from shoal.engine.fence import WriterFence, read_writer
 from shoal.engine.group_save import GroupSave
-from shoal.engine.store import list_checkpoints, read_pointer
 from shoal.errors import MissingFile, WriterFenced
 from shoal.format import layout
+from shoal.records.fence import WriterFence, read_writer
+from shoal.records.store import list_checkpoints, read_pointer
 from shoal.testing.checkpoints import assert_state_equal, make_config, zeros_like_state
 from shoal.tiers import open_tier
 from shoal.tiers.base import Tier
@@ -103,7 +103,7 @@ def test_two_writers_on_one_job_never_interleave(
         assert _finish(a.save(1, state)).error is None
         a_writer = read_writer(shared)
         assert a_writer is not None and a_writer.host == "a"
-        with caplog.at_level(logging.WARNING, logger="shoal.engine.fence"):
+        with caplog.at_level(logging.WARNING, logger="shoal.records.fence"):
             assert _finish(b.save(2, state)).error is None  # the same bytes: it reuses a's packs
         assert f"takes over the job from writer {a_writer.writer}" in caplog.text
         b_writer = read_writer(shared)
@@ -261,7 +261,7 @@ def test_a_missing_writer_record_is_claimed_again_at_the_next_save(
     cfg = _config(tmp_path, dram_root, "a", keep_last=None)
     shared = open_tier("shared", cfg.shared_url())
     _on_failpoint(monkeypatch, "pipeline.before_commit", 2, lambda: shared.delete(layout.WRITER))
-    with shoal.Checkpointer(cfg) as ckpt, caplog.at_level(logging.WARNING, logger="shoal.engine.fence"):
+    with shoal.Checkpointer(cfg) as ckpt, caplog.at_level(logging.WARNING, logger="shoal.records.fence"):
         assert _finish(ckpt.save(1, _state(1))).error is None
         first = read_writer(shared)
         handle = _finish(ckpt.save(2, _state(2)))

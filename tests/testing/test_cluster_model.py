@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.engine.events import Event, WriterRecord
-from shoal.engine.packwriter import drain_parts
+from shoal.records.events import Event, WriterRecord
+from shoal.records.packwriter import drain_parts
 from shoal.testing.cluster_model import CHUNK, pack_bytes_for, pack_records
 
 

@@ -5,7 +5,7 @@ path the stall (rank 0's ``staged`` minus its save call) and the lag to each fai
 boundary, takes the run's median gap between save calls as the current interval (or
 ``--interval``), and asks :func:`shoal.model.advisor.advise_intervals` for Young's and Daly's
 intervals and the expected waste at the current and at the optimal interval. The work is done by
-:func:`shoal.engine.exposure_log.advise_run`; this module parses the command line and prints.
+:func:`shoal.records.exposure_log.advise_run`; this module parses the command line and prints.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from shoal.cli.common import print_json, stdout_console
 from shoal.cli.exposure import add_log_options, read_log, seconds_text
 
 if TYPE_CHECKING:
-    from shoal.engine.exposure_log import PathAdvice, RunAdvice
     from shoal.model.advisor import FailureModel, IntervalAdvice
+    from shoal.records.exposure_log import PathAdvice, RunAdvice
 
 # The advisor and the event log reader are imported by the functions that use them: they import
 # numpy and scipy (seconds), which building the parser (``shoal --help``) must not wait for.
@@ -152,7 +152,7 @@ def path_table(name: str, path: PathAdvice, advice: RunAdvice) -> Table:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shoal.engine.exposure_log import advise_run
+    from shoal.records.exposure_log import advise_run
 
     failures = failure_model(args)
     log = read_log(args)

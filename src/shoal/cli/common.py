@@ -25,11 +25,11 @@ from rich.progress import (
 )
 
 from shoal.boundary import Boundary
-from shoal.engine.store import CheckpointInfo, list_steps, read_pointer
 from shoal.errors import CheckpointNotFound, ConfigError, FormatError, MissingFile, ShoalError
 from shoal.format import layout
 from shoal.format.layout import MAX_STEP
 from shoal.format.manifest import Pointer
+from shoal.records.store import CheckpointInfo, list_steps, read_pointer
 from shoal.tiers.base import Tier
 
 EXIT_OK = 0
@@ -441,7 +441,7 @@ def directory_at(tier: Tier, path: str) -> bool:
 def read_pointer_strictly(tier: Tier, path: str) -> Pointer | None:
     """``LATEST`` or a ``COMMIT`` record, or None if absent (a directory there is a FormatError).
 
-    :func:`~shoal.engine.store.read_pointer` takes a directory where the record should be
+    :func:`~shoal.records.store.read_pointer` takes a directory where the record should be
     for no record at all; ``ls`` and ``verify`` say what is in the way instead.
     """
     pointer = read_pointer(tier, path)

@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 
 from shoal.cli.source import item_tensor, output_dir, read_in_batches, storage_keys, write_durably
-from shoal.engine.store import ItemReader
 from shoal.errors import FormatError
 from shoal.format.manifest import ItemRecord, Manifest
+from shoal.records.store import ItemReader
 from shoal.tiers.base import Tier
 
 DCP_METADATA = ".metadata"

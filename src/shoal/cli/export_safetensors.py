@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from shoal.cli.common import CliError
 from shoal.cli.source import batches, item_tensor, output_dir, storage_keys, write_durably
-from shoal.engine.store import ItemReader
 from shoal.errors import FormatError
 from shoal.format.manifest import Manifest
+from shoal.records.store import ItemReader
 from shoal.tiers.base import Tier
 
 SINGLE_FILE = "model.safetensors"

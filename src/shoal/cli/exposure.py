@@ -22,8 +22,8 @@ from shoal.cli.common import CliError, print_json, stderr_console, stdout_consol
 from shoal.config import default_local_root
 
 if TYPE_CHECKING:
-    from shoal.engine.exposure_log import RunLog
     from shoal.model.exposure import ExposureTimeline
+    from shoal.records.exposure_log import RunLog
 
 # The event log reader and the exposure model are imported by the functions that use them: they
 # import numpy and scipy (seconds), which building the parser (``shoal --help``) must not wait for.
@@ -119,7 +119,7 @@ def _matches(directory: str, path: str, run: str | None, host: str | None) -> bo
 
 def read_log(args: argparse.Namespace) -> RunLog:
     """The run the command line names, its notes printed on stderr."""
-    from shoal.engine.exposure_log import COORDINATOR, read_run_log
+    from shoal.records.exposure_log import COORDINATOR, read_run_log
 
     path, notes = find_event_log(args)
     log = read_run_log(path, rank=COORDINATOR)
@@ -143,7 +143,7 @@ def seconds_text(value: float) -> str:
 
 def timeline_doc(log: RunLog, timeline: ExposureTimeline) -> dict[str, Any]:
     """``--json``: the run's timeline (``ExposureTimeline.to_json``), the log and the notes."""
-    from shoal.engine.exposure_log import COORDINATOR
+    from shoal.records.exposure_log import COORDINATOR
 
     failed = sum(1 for c in log.checkpoints if c.failed_at is not None or not c.finished)
     return {

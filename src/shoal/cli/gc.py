@@ -1,6 +1,6 @@
 """``shoal gc``: retention by hand: keep the newest committed checkpoints, delete packs nothing uses.
 
-The plan is :func:`shoal.engine.retention.plan_retention`, the one the pipeline runs after
+The plan is :func:`shoal.records.retention.plan_retention`, the one the pipeline runs after
 each commit, with the horizon at the newest step the job's writer committed (or ``LATEST``):
 a pack written for a newer step may belong to a checkpoint still in flight in a running job
 and is never touched. ``--dry-run`` prints the same plan and deletes nothing.
@@ -23,11 +23,11 @@ from typing import Any
 from shoal.boundary import Boundary
 from shoal.cli.common import DEFAULT_JOB, CliError, human_bytes, open_job, stderr_console, stdout_console
 from shoal.config import default_dram_root
-from shoal.engine.fence import WriterRecord, read_writer
-from shoal.engine.retention import RetentionPlan, apply_retention, latest_step, pack_ids_on, plan_retention
-from shoal.engine.store import list_checkpoints
 from shoal.errors import FormatError, MissingFile, OwnershipError
 from shoal.format import layout
+from shoal.records.fence import WriterRecord, read_writer
+from shoal.records.retention import RetentionPlan, apply_retention, latest_step, pack_ids_on, plan_retention
+from shoal.records.store import list_checkpoints
 from shoal.tiers.base import Tier
 
 
@@ -95,7 +95,7 @@ def _pack_size(tier: Tier, pack_id: str) -> int:
 def run_staged(args: argparse.Namespace) -> int:
     """``shoal gc --staged``: list (and with ``--drop``, drop) what crashed processes left staged in DRAM."""
     # the DRAM tier imports numpy: only for --staged, so that the parser builds fast
-    from shoal.engine.hoststate import HostLock, drop_leftover, staged_leftovers
+    from shoal.records.hoststate import HostLock, drop_leftover, staged_leftovers
     from shoal.tiers.dram import DramTier
 
     root = args.dram or default_dram_root()

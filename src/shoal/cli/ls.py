@@ -20,9 +20,9 @@ from shoal.cli.common import (
     stderr_console,
     stdout_console,
 )
-from shoal.engine.store import CheckpointInfo, list_checkpoints
 from shoal.errors import ShoalError
 from shoal.format import layout
+from shoal.records.store import CheckpointInfo, list_checkpoints
 from shoal.tiers.base import Tier
 
 

@@ -12,12 +12,12 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from shoal.cli.common import CliError, directory_at, missing_step, read_pointer_strictly
-from shoal.engine.store import ItemReader, list_steps, resolve_manifest
 from shoal.errors import CheckpointNotFound, FormatError, MissingFile, ShoalError
 from shoal.format import layout
 from shoal.format.crosscheck import check_against_dcp
 from shoal.format.dcp_codec import decode_metadata
 from shoal.format.manifest import ItemRecord, Manifest
+from shoal.records.store import ItemReader, list_steps, resolve_manifest
 from shoal.tiers.base import Tier
 
 

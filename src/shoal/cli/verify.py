@@ -35,13 +35,13 @@ from shoal.cli.common import (
     stdout_console,
     step_number,
 )
-from shoal.engine.fetch import ChunkRequest, ChunkSource, Fetcher, SourceFile
-from shoal.engine.store import CheckpointInfo, list_checkpoints
 from shoal.errors import CheckpointNotFound, ChecksumMismatch, FormatError, MissingFile, ShoalError
 from shoal.format import layout
 from shoal.format.chunking import expect_digest
 from shoal.format.manifest import Manifest, PackRecord
 from shoal.format.pack import decode_index
+from shoal.records.fetch import ChunkRequest, ChunkSource, Fetcher, SourceFile
+from shoal.records.store import CheckpointInfo, list_checkpoints
 from shoal.tiers.base import Tier
 
 _BLOCK = 8 << 20

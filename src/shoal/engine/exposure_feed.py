@@ -3,7 +3,7 @@
 :class:`ExposureFeed` wraps :class:`~shoal.model.exposure.ExposureTracker` (the pure bookkeeping)
 with the engine's side: the save call's time, a listener on each :class:`SaveHandle` for every
 boundary it reaches, and on the coordinator an ``exposure`` event at each boundary (docs/events.md;
-read back by :mod:`shoal.engine.exposure_log`). The runtime owns one, from when it was built.
+read back by :mod:`shoal.records.exposure_log`). The runtime owns one, from when it was built.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from functools import partial
 
 from shoal.boundary import Boundary
-from shoal.engine.events import EventLog, monotonic
 from shoal.engine.handle import SaveHandle
 from shoal.model.exposure import Exposure, ExposureTracker
+from shoal.records.events import EventLog, monotonic
 
 __all__ = ["ExposureFeed"]
 

@@ -27,15 +27,15 @@ skipped and B2 is reached with B3.
 
 This module is the sequencer: the collectives, their order and the error paths. The work
 between them is done by reusable parts: :mod:`shoal.engine.replicate` (partner copies and
-host manifests), :func:`shoal.engine.packwriter.write_pack` (every pack, replica or drain),
+host manifests), :func:`shoal.records.packwriter.write_pack` (every pack, replica or drain),
 :func:`shoal.format.manifest_build.build_manifest` (manifests, pure) and
-:class:`shoal.engine.commit.CheckpointCommit` (manifest, ``COMMIT``, ``LATEST`` and the
+:class:`shoal.records.commit.CheckpointCommit` (manifest, ``COMMIT``, ``LATEST`` and the
 rollback).
 
 The commit writes nothing when a pack the manifest would reference is missing or short
 (the checkpoint fails before B3, naming the packs, and the next save rescans the shared
 tier and writes those chunks again), nor once another process holds the job
-(:mod:`shoal.engine.fence`: the checkpoint fails with :class:`~shoal.errors.WriterFenced`;
+(:mod:`shoal.records.fence`: the checkpoint fails with :class:`~shoal.errors.WriterFenced`;
 packs it drained stay unreferenced until the job's retention reclaims them).
 """
 
@@ -53,11 +53,6 @@ from shoal import failpoints
 from shoal._version import __version__
 from shoal.boundary import Boundary
 from shoal.engine import replicate
-from shoal.engine.catalog import ChunkCatalog, pack_problems
-from shoal.engine.commit import CheckpointCommit
-from shoal.engine.events import monotonic
-from shoal.engine.fence import WriterFence, after_failed_commit
-from shoal.engine.packwriter import drain_parts, slab_runs, write_pack
 from shoal.engine.path import PARTNER, PathContext, PathDecision, PathRecord, decide_path, record_outcome
 from shoal.engine.protocol import (
     Drained,
@@ -69,13 +64,18 @@ from shoal.engine.protocol import (
     check_errors,
     describe,
 )
-from shoal.engine.staged import STAGED_DIR
 from shoal.format import layout
 from shoal.format.manifest import ItemRecord, Stats, WorldInfo
 from shoal.format.manifest_build import Holdings, ManifestHeader, build_manifest
 from shoal.format.pack import PackIndex
 from shoal.group.planner import ChunkRef, ChunkTable, Digests, GroupPlan, RankChunks
 from shoal.model.paths import PathTimes
+from shoal.records.catalog import ChunkCatalog, pack_problems
+from shoal.records.commit import CheckpointCommit
+from shoal.records.events import monotonic
+from shoal.records.fence import WriterFence, after_failed_commit
+from shoal.records.packwriter import drain_parts, slab_runs, write_pack
+from shoal.records.staged import STAGED_DIR
 
 log = logging.getLogger(__name__)
 
@@ -432,7 +432,7 @@ class GroupSave:
         """Write this rank's drain packs to the shared tier, straight from the slab.
 
         The rank's share goes out as packs of about ``ctx.drain_pack_bytes``
-        (:func:`~shoal.engine.packwriter.drain_parts`), ``ctx.drain_streams`` of them uploaded at
+        (:func:`~shoal.records.packwriter.drain_parts`), ``ctx.drain_streams`` of them uploaded at
         once: one stream rarely fills a storage NIC, and an object store that handles an object
         only once its whole body has arrived leaves the link idle meanwhile unless another
         upload is under way.
@@ -496,9 +496,9 @@ class GroupSave:
     def _commit(self, reports: list[RankReport], results: list[Any]) -> dict[str, Any]:
         """Coordinator: the manifest from what was drained and what was kept, then the commit.
 
-        :class:`~shoal.engine.commit.CheckpointCommit` writes manifest (B3), ``COMMIT`` and
+        :class:`~shoal.records.commit.CheckpointCommit` writes manifest (B3), ``COMMIT`` and
         ``LATEST`` (B4), after checking that every referenced pack is there and that this
-        process holds the job. After a failure, :func:`~shoal.engine.fence.after_failed_commit`
+        process holds the job. After a failure, :func:`~shoal.records.fence.after_failed_commit`
         says which error to report and whether the claim stands.
         """
         errors = [r for r in results if isinstance(r, str)]

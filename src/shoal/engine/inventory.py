@@ -19,8 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.boundary import Boundary
-from shoal.engine.packlist import list_packs
-from shoal.engine.staged import (
+from shoal.errors import MissingFile, ShoalError
+from shoal.format import layout
+from shoal.format.chunking import digest
+from shoal.format.manifest import ItemRecord, Manifest, WorldInfo
+from shoal.group.digests import DIGEST_SIZE
+from shoal.group.readplan import SHARED, Candidate, Source
+from shoal.records.packlist import list_packs
+from shoal.records.staged import (
     CHUNKS_FORMAT,
     CHUNKS_SUFFIX,
     DCP_FORMAT,
@@ -30,13 +36,7 @@ from shoal.engine.staged import (
     STAGED_FORMAT,
     STAGED_FORMAT_V1,
 )
-from shoal.engine.store import list_checkpoints
-from shoal.errors import MissingFile, ShoalError
-from shoal.format import layout
-from shoal.format.chunking import digest
-from shoal.format.manifest import ItemRecord, Manifest, WorldInfo
-from shoal.group.digests import DIGEST_SIZE
-from shoal.group.readplan import SHARED, Candidate, Source
+from shoal.records.store import list_checkpoints
 from shoal.tiers.base import Tier
 from shoal.tiers.roles import Role, kind_for
 from shoal.tiers.slabs import require_slabs

@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from shoal.engine.events import EventLog
 from shoal.errors import ConfigError
 from shoal.model.paths import PathModel, PathPrediction, PathTimes
+from shoal.records.events import EventLog
 
 log = logging.getLogger(__name__)
 

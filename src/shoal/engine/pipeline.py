@@ -9,8 +9,8 @@ next one untouched: nothing is committed, ``LATEST`` does not move, and a partia
 pack it may have left is reclaimed by retention later.
 
 Retention on the shared tier runs on the coordinator only while this process holds
-the job (:class:`~shoal.engine.fence.WriterFence`), and leaves the steps of other
-writers alone (:func:`~shoal.engine.retention.plan_retention`).
+the job (:class:`~shoal.records.fence.WriterFence`), and leaves the steps of other
+writers alone (:func:`~shoal.records.retention.plan_retention`).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from collections.abc import Callable, Collection
 
 from shoal._collector import collector_paused
 from shoal.boundary import Boundary
-from shoal.engine.fence import WriterFence
 from shoal.engine.group_save import GroupSave, PipelineContext, SaveJob, emit_checkpoint
 from shoal.engine.handle import SaveHandle
-from shoal.engine.packlist import StepSummaries, summarise
-from shoal.engine.retention import latest_step, pack_ids_on, plan_retention, retain
-from shoal.engine.staged import delete_staged
-from shoal.engine.stager import SlotRing
 from shoal.errors import CheckpointFailed, StateError, WriterFenced
+from shoal.records.fence import WriterFence
+from shoal.records.packlist import StepSummaries, summarise
+from shoal.records.retention import latest_step, pack_ids_on, plan_retention, retain
+from shoal.records.staged import delete_staged
+from shoal.records.stager import SlotRing
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)

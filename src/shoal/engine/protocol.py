@@ -12,18 +12,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.engine.catalog import ChunkCatalog
-from shoal.engine.events import EventLog
 from shoal.engine.handle import SaveHandle
 from shoal.engine.path import PathHistory
-from shoal.engine.staged import StagedIndex
-from shoal.engine.stager import Slot
 from shoal.errors import ShoalError
 from shoal.format.chunking import Hasher
 from shoal.format.pack import PackIndex
 from shoal.group.fabric import Fabric
 from shoal.group.planner import PlanCache
 from shoal.group.topology import Topology
+from shoal.records.catalog import ChunkCatalog
+from shoal.records.events import EventLog
+from shoal.records.staged import StagedIndex
+from shoal.records.stager import Slot
 from shoal.tiers.base import Tier
 
 
@@ -205,7 +205,7 @@ class PipelineContext:
     drain_pack_bytes: int = 1 << 62
     """About how large a drain pack is (``Config.drain_pack_bytes``); the default: one per rank."""
     writer: Any = None
-    """The coordinator's :class:`shoal.engine.fence.WriterFence` (None elsewhere): checked before
+    """The coordinator's :class:`shoal.records.fence.WriterFence` (None elsewhere): checked before
     every commit, ``LATEST`` move and retention pass on the shared tier."""
 
     @property

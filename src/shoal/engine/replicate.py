@@ -4,7 +4,7 @@ The group-save sequencer (:mod:`shoal.engine.group_save`) calls these between C2
 
 * :func:`exchange` on every rank: post this rank's sends, receive this rank's own transfers
   into one pack on its host tier (each chunk verified as it arrives, through
-  :func:`~shoal.engine.packwriter.write_pack`), wait for the sends;
+  :func:`~shoal.records.packwriter.write_pack`), wait for the sends;
 * :func:`host_manifests` on the coordinator: one partial manifest per host, from the packs
   every rank reported in C3;
 * :func:`write_host_manifest` on each host's leader: that manifest, plus the chunks the host
@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from shoal import failpoints
-from shoal.engine.events import monotonic
-from shoal.engine.packwriter import write_pack
 from shoal.engine.path import PARTNER
 from shoal.engine.protocol import PipelineContext
 from shoal.format import layout
@@ -27,6 +25,8 @@ from shoal.format.manifest_build import Holdings, ManifestHeader, build_manifest
 from shoal.format.pack import PackIndex
 from shoal.group.plan import ChunkRef
 from shoal.group.planner import GroupPlan
+from shoal.records.events import monotonic
+from shoal.records.packwriter import write_pack
 
 __all__ = ["exchange", "host_manifests", "write_host_manifest"]
 

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal._collector import collector_paused
-from shoal.engine.fetch import ChunkRequest, ChunkSource, Fetcher, SourceFile
 from shoal.engine.inventory import (
     HostInventory,
     candidates_and_sources,
@@ -48,6 +47,7 @@ from shoal.group.exchange import plan_exchange
 from shoal.group.fabric import Fabric
 from shoal.group.readplan import SHARED, Choice, ChunkRead, ReadPlan, Source, choose_checkpoint, plan_reads
 from shoal.group.topology import Topology
+from shoal.records.fetch import ChunkRequest, ChunkSource, Fetcher, SourceFile
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -453,7 +453,7 @@ class Restore:
     ) -> list[tuple[str, list[str]]]:
         """Read and verify this rank's chunks; return ``(digest, [what was tried])`` for each that failed.
 
-        One fetch (:class:`~shoal.engine.fetch.Fetcher`) for all of them: per contiguous run of
+        One fetch (:class:`~shoal.records.fetch.Fetcher`) for all of them: per contiguous run of
         a pack or slab, verified before any byte reaches a destination. A chunk only other ranks
         need lands in a buffer of its own, to send. ``repairing``: these chunks failed on another
         host first (each counts as repaired).

@@ -2,7 +2,7 @@
 
 Both front doors are thin clients of it: :class:`shoal.Checkpointer` (the manager API)
 and :mod:`shoal.dcp` (DCP's ``StorageWriter``/``StorageReader``). A :class:`Runtime` holds
-this process's lock and run (:mod:`shoal.engine.hoststate`), its tiers, the topology, the
+this process's lock and run (:mod:`shoal.records.hoststate`), its tiers, the topology, the
 background fabric, the DRAM slot ring, the pipeline and the restore context. Its public
 methods are the save session (check a new step, stage, attach DCP's metadata, submit,
 abort; the gates of saves made through DCP directly) and the load session (arrive, begin a
@@ -27,32 +27,13 @@ from torch.distributed.checkpoint.metadata import Metadata
 from shoal import failpoints
 from shoal.boundary import Boundary
 from shoal.config import Config
-from shoal.engine.catalog import ChunkCatalog
-from shoal.engine.events import EventLog, monotonic
 from shoal.engine.exposure_feed import ExposureFeed
 from shoal.engine.group_save import PipelineContext, SaveJob
 from shoal.engine.handle import SaveHandle
-from shoal.engine.hoststate import (
-    HostLock,
-    RunRecord,
-    claim_shared_run,
-    drop_superseded,
-    find_leftovers,
-    list_host_runs,
-    log_foreign_runs,
-    new_generation,
-    run_dir,
-    same_run_candidates,
-    write_run_file,
-)
-from shoal.engine.metacache import MetadataEncoder
 from shoal.engine.path import PathPolicy, default_policy
 from shoal.engine.pipeline import Pipeline
 from shoal.engine.protocol import Gate
 from shoal.engine.restore import Restore, RestoreContext
-from shoal.engine.staged import StagedIndex, delete_staged
-from shoal.engine.stager import Slot, SlotRing, StagedItem, StageEntry, stage_into
-from shoal.engine.store import newest_reached, read_pointer, resolve_manifest
 from shoal.errors import (
     CheckpointExists,
     CollectiveMismatch,
@@ -69,6 +50,25 @@ from shoal.format.manifest import Manifest
 from shoal.group.fabric import Board, Fabric
 from shoal.group.topology import topology_for_path
 from shoal.model.exposure import Exposure
+from shoal.records.catalog import ChunkCatalog
+from shoal.records.events import EventLog, monotonic
+from shoal.records.hoststate import (
+    HostLock,
+    RunRecord,
+    claim_shared_run,
+    drop_superseded,
+    find_leftovers,
+    list_host_runs,
+    log_foreign_runs,
+    new_generation,
+    run_dir,
+    same_run_candidates,
+    write_run_file,
+)
+from shoal.records.metacache import MetadataEncoder
+from shoal.records.staged import StagedIndex, delete_staged
+from shoal.records.stager import Slot, SlotRing, StagedItem, StageEntry, stage_into
+from shoal.records.store import newest_reached, read_pointer, resolve_manifest
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
 from shoal.tiers.local import PosixTier

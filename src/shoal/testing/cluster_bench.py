@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
-from shoal.engine.events import WriterRecord, read_events
+from shoal.records.events import WriterRecord, read_events
 from shoal.testing.cluster_scenarios import cluster_config, cluster_state
 from shoal.testing.s3 import S3Admin, s3_storage_options
 

@@ -43,7 +43,7 @@ from torch.futures import Future
 
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
-from shoal.engine.events import monotonic, read_events
+from shoal.records.events import monotonic, read_events
 from shoal.testing.cluster_bench import CpuWindow, prepare_bucket
 from shoal.testing.cluster_scenarios import cluster_config
 from shoal.testing.s3 import s3_storage_options

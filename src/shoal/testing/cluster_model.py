@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
-from shoal.engine.events import WriterRecord, read_events
 from shoal.format.chunking import MIN_CHUNK_SIZE
+from shoal.records.events import WriterRecord, read_events
 from shoal.testing.cluster_bench import prepare_bucket
 from shoal.testing.cluster_scenarios import cluster_config
 
@@ -38,7 +38,7 @@ WAIT_S = 300.0
 def pack_bytes_for(shard_bytes: int, streams: int, chunk: int = CHUNK) -> int:
     """``Config.drain_pack_bytes`` that cuts a share of ``shard_bytes`` into ``streams`` packs.
 
-    :func:`shoal.engine.packwriter.drain_parts` makes ``round(total / pack_bytes)`` parts (at most
+    :func:`shoal.records.packwriter.drain_parts` makes ``round(total / pack_bytes)`` parts (at most
     one per chunk), so the share divided by ``streams`` gives exactly ``streams`` parts as long as
     the share holds that many chunks.
     """

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
-from shoal.engine.events import read_events
 from shoal.engine.handle import SaveHandle
+from shoal.records.events import read_events
 from shoal.testing.cluster_bench import prepare_bucket
 from shoal.testing.cluster_scenarios import cluster_config, cluster_state
 

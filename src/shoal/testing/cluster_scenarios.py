@@ -20,7 +20,7 @@ import torch.distributed as dist
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.config import Config
-from shoal.engine.events import WriterRecord, read_events
+from shoal.records.events import WriterRecord, read_events
 from shoal.testing.checkpoints import assert_state_equal, zeros_like_state
 from shoal.testing.s3 import S3Admin, s3_storage_options
 

@@ -21,12 +21,12 @@ from shoal import failpoints
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.config import Config
-from shoal.engine.events import read_events
 from shoal.engine.inventory import read_staged
-from shoal.engine.store import list_checkpoints
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.pack import decode_index
+from shoal.records.events import read_events
+from shoal.records.store import list_checkpoints
 from shoal.testing.checkpoints import assert_state_equal, zeros_like_state
 from shoal.tiers.dram import DramTier
 

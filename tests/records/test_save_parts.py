@@ -10,9 +10,6 @@ from hypothesis import strategies as st
 
 from shoal import failpoints
 from shoal.boundary import Boundary
-from shoal.engine.commit import CheckpointCommit
-from shoal.engine.fence import WriterFence
-from shoal.engine.packwriter import drain_parts, slab_runs, write_pack
 from shoal.errors import ChecksumMismatch, FormatError, InvalidName, MissingFile, WriterFenced
 from shoal.format import layout
 from shoal.format.chunking import digest
@@ -20,6 +17,9 @@ from shoal.format.manifest import ItemRecord, PackRecord, Stats, WorldInfo, deco
 from shoal.format.manifest_build import Holdings, ManifestHeader, build_manifest
 from shoal.format.pack import PackEntry, PackIndex, decode_index
 from shoal.group.plan import ChunkRef
+from shoal.records.commit import CheckpointCommit
+from shoal.records.fence import WriterFence
+from shoal.records.packwriter import drain_parts, slab_runs, write_pack
 from shoal.tiers.local import PosixTier
 
 PACK = "000000000003-node-0-r1-0a1b2c3d"

@@ -280,7 +280,7 @@ class SlotRing:
         With ``release_memory`` the slab files of every slot are deleted too (those an
         earlier process of this rank left, as well), returning their memory to ``/dev/shm``;
         call it only when nothing staged is still needed (every checkpoint finished), and
-        after deleting the slots' staged indexes (:func:`shoal.engine.staged.delete_staged`:
+        after deleting the slots' staged indexes (:func:`shoal.records.staged.delete_staged`:
         never an index over a slab that is gone). Without it the slabs stay for a restarted
         process.
         """

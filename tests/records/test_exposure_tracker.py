@@ -1,5 +1,5 @@
 """Exposure in the engine: SaveHandle's boundary listeners, the runtime's tracker, the exposure
-events, and a run read back from its event log (shoal.engine.exposure_log)."""
+events, and a run read back from its event log (shoal.records.exposure_log)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 import shoal
 from shoal import failpoints
 from shoal.boundary import Boundary
-from shoal.engine.events import monotonic, read_events
-from shoal.engine.exposure_log import measure_paths, read_run_log
 from shoal.engine.handle import SaveHandle
 from shoal.errors import ShoalError
+from shoal.records.events import monotonic, read_events
+from shoal.records.exposure_log import measure_paths, read_run_log
 from shoal.testing import scenarios
 from shoal.testing.checkpoints import make_config
 from shoal.testing.multiproc import run_ranks

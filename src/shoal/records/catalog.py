@@ -13,10 +13,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from shoal.boundary import Boundary
-from shoal.engine.packlist import StepSummary
 from shoal.errors import MissingFile
 from shoal.format import layout
 from shoal.format.manifest import ChunkLocation, Manifest, PackRecord
+from shoal.records.packlist import StepSummary
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class ChunkCatalog:
     recent: dict[int, tuple[StepSummary, str | None]] = field(default_factory=dict)
     """The newest steps added (at most :data:`_RECENT`): step -> the summary of its manifest and the
     digest of its bytes where the writer gave it; retention's
-    :meth:`~shoal.engine.packlist.StepSummaries.prime` takes them instead of decoding the file."""
+    :meth:`~shoal.records.packlist.StepSummaries.prime` takes them instead of decoding the file."""
 
     def __contains__(self, digest: object) -> bool:
         return digest in self.locations
@@ -73,7 +73,7 @@ class ChunkCatalog:
         Packs that are referenced but missing, or not of their recorded size, are left out
         (with a warning), so a new checkpoint never points at bytes that are not there.
         """
-        from shoal.engine.store import list_checkpoints
+        from shoal.records.store import list_checkpoints
 
         cat = cls()
         for info in list_checkpoints(tier):

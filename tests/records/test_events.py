@@ -13,7 +13,8 @@ import torch
 
 import shoal
 from shoal import failpoints
-from shoal.engine.events import (
+from shoal.errors import ShoalError
+from shoal.records.events import (
     FORMAT_VERSION,
     CheckpointRecord,
     Event,
@@ -22,7 +23,6 @@ from shoal.engine.events import (
     read_events,
     writer_samples,
 )
-from shoal.errors import ShoalError
 from shoal.testing import scenarios
 from shoal.testing.checkpoints import make_config, pack_bytes_on
 from shoal.testing.multiproc import run_ranks

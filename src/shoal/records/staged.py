@@ -32,7 +32,7 @@ from shoal.group.digests import Digests
 from shoal.tiers.base import Tier
 
 if TYPE_CHECKING:
-    from shoal.engine.stager import StagedItem
+    from shoal.records.stager import StagedItem
 
 STAGED_DIR = "staged"
 """Where each DRAM slot's staged index lives in the DRAM tier."""
@@ -125,7 +125,7 @@ class StagedIndex:
 
     def encode_dcp(self) -> bytes:
         """The DCP sidecar; the metadata's JSON is the last one's when it is the very same document
-        (:class:`~shoal.engine.metacache.MetadataEncoder` gives one per layout; none is changed)."""
+        (:class:`~shoal.records.metacache.MetadataEncoder` gives one per layout; none is changed)."""
         global _last_dcp
         with _dcp_lock:
             last = _last_dcp

@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from shoal.engine.metacache import MetadataEncoder
 from shoal.format.dcp_codec import encode_metadata
+from shoal.records.metacache import MetadataEncoder
 
 
 def _metadata(n: int = 3) -> Metadata:

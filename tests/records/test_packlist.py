@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from shoal.engine.catalog import ChunkCatalog, pack_problems
-from shoal.engine.packlist import StepSummaries, StepSummary, list_packs
 from shoal.engine.pipeline import run_retention
-from shoal.engine.retention import pack_ids_on
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.manifest import ChunkLocation, Manifest, PackRecord, Pointer
+from shoal.records.catalog import ChunkCatalog, pack_problems
+from shoal.records.packlist import StepSummaries, StepSummary, list_packs
+from shoal.records.retention import pack_ids_on
 from shoal.tiers import open_tier
 from shoal.tiers.base import Tier
 

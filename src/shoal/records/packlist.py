@@ -12,7 +12,7 @@ makes the next pass read and decode it again. A step this process just committed
 from the manifest it wrote (:meth:`StepSummaries.prime`), once its bytes on the tier are checked
 against the commit record's digest (and the digest the writer computed, when it gave one).
 Damaged steps (unreadable, malformed, not the one their commit record names) are never cached:
-every pass reads them again and reports them as :func:`~shoal.engine.store.list_checkpoints` does.
+every pass reads them again and reports them as :func:`~shoal.records.store.list_checkpoints` does.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import threading
 from dataclasses import dataclass
 
 from shoal._collector import collector_paused
-from shoal.engine.store import list_steps, read_manifest, read_pointer
 from shoal.errors import CheckpointNotFound, ChecksumMismatch, FormatError, MissingFile
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.manifest import Manifest, Pointer
+from shoal.records.store import list_steps, read_manifest, read_pointer
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class StepSummary:
 
 @dataclass(frozen=True)
 class StepState:
-    """One step on a tier, as retention sees it (what :class:`~shoal.engine.store.CheckpointInfo` says)."""
+    """One step on a tier, as retention sees it (what :class:`~shoal.records.store.CheckpointInfo` says)."""
 
     step: int
     committed: bool

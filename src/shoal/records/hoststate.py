@@ -39,11 +39,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from shoal.engine.staged import INDEX_SUFFIX, SIDECAR_SUFFIXES, STAGED_DIR, delete_staged
 from shoal.errors import FormatError, MissingFile, OwnershipError, ShoalError
 from shoal.format import layout
 from shoal.format.names import check_identifier
 from shoal.format.strict_json import load_json
+from shoal.records.staged import INDEX_SUFFIX, SIDECAR_SUFFIXES, STAGED_DIR, delete_staged
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
 from shoal.tiers.local import check_private, ensure_private_dirs, open_private

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from shoal.engine.fence import WRITER_FORMAT, WriterFence, after_failed_commit, decode_writer, read_writer
 from shoal.errors import FormatError, MissingFile, ShoalError, WriterFenced
 from shoal.format import layout
+from shoal.records.fence import WRITER_FORMAT, WriterFence, after_failed_commit, decode_writer, read_writer
 from shoal.tiers import open_tier
 from shoal.tiers.base import Tier
 
@@ -60,7 +60,7 @@ def test_the_newest_claim_wins_and_the_older_writer_is_fenced(
     shared: Tier, caplog: pytest.LogCaptureFixture
 ) -> None:
     first = WriterFence.claim(shared, host="a", pid=11)
-    with caplog.at_level(logging.WARNING, logger="shoal.engine.fence"):
+    with caplog.at_level(logging.WARNING, logger="shoal.records.fence"):
         second = WriterFence.claim(shared, host="b", pid=22)
     # The takeover is logged, naming the writer it displaced.
     assert first.writer_id in caplog.text and "host 'a', pid 11" in caplog.text
@@ -129,14 +129,14 @@ def test_an_oversized_record_is_refused_without_reading_it_whole(tmp_path: Path)
 
 def test_a_claim_replaces_a_malformed_record(shared: Tier, caplog: pytest.LogCaptureFixture) -> None:
     shared.write(layout.WRITER, b"{not json")
-    with caplog.at_level(logging.WARNING, logger="shoal.engine.fence"):
+    with caplog.at_level(logging.WARNING, logger="shoal.records.fence"):
         fence = WriterFence.claim(shared, host="a", pid=1)
     assert "unreadable writer record" in caplog.text
     fence.check(shared)
 
 
 def test_the_first_claim_on_a_job_warns_about_nobody(shared: Tier, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="shoal.engine.fence"):
+    with caplog.at_level(logging.WARNING, logger="shoal.records.fence"):
         WriterFence.claim(shared, host="a", pid=1)
     assert caplog.records == []
 

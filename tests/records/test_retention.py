@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shoal.engine.pipeline import run_retention
-from shoal.engine.retention import RetentionPlan, apply_retention, pack_ids_on, plan_retention, retain
 from shoal.errors import MissingFile, TierError
 from shoal.format import layout
 from shoal.format.manifest import Manifest
 from shoal.format.names import check_relpath
+from shoal.records.retention import RetentionPlan, apply_retention, pack_ids_on, plan_retention, retain
 from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities, iter_byte_views
 
 from .retention_helpers import bare_manifest, pack_id
@@ -415,7 +415,7 @@ def test_apply_an_empty_plan_deletes_nothing() -> None:
 
 def test_apply_logs_why_packs_were_left_alone(caplog: pytest.LogCaptureFixture) -> None:
     tier = _tier_with([1])
-    with caplog.at_level(logging.WARNING, logger="shoal.engine.retention"):
+    with caplog.at_level(logging.WARNING, logger="shoal.records.retention"):
         apply_retention(tier, RetentionPlan((1,), (), (), reason="unreadable manifests for steps [1]"))
     assert "unreadable manifests" in caplog.text and tier.url in caplog.text
 

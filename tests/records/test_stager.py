@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.engine import stager
-from shoal.engine.stager import Slot, StageEntry, stage_into
 from shoal.errors import UnsupportedValue
+from shoal.records import stager
+from shoal.records.stager import Slot, StageEntry, stage_into
 
 
 class _Slab:

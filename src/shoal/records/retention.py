@@ -29,10 +29,10 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from shoal.engine.packlist import list_packs
-from shoal.engine.store import read_pointer
 from shoal.errors import FormatError
 from shoal.format import layout
+from shoal.records.packlist import list_packs
+from shoal.records.store import read_pointer
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 class StepRefs(Protocol):
     """What retention reads of a step's manifest: a :class:`~shoal.format.manifest.Manifest`, or the
-    :class:`~shoal.engine.packlist.StepSummary` kept of it."""
+    :class:`~shoal.records.packlist.StepSummary` kept of it."""
 
     @property
     def writer(self) -> str | None: ...

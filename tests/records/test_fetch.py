@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from shoal.engine.fetch import ChunkRequest, ChunkSource, Fetcher, SourceFile, fetch_chunks
 from shoal.errors import ChecksumMismatch, MissingFile, TierError
 from shoal.format.chunking import digest
+from shoal.records.fetch import ChunkRequest, ChunkSource, Fetcher, SourceFile, fetch_chunks
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
 from shoal.tiers.local import PosixTier

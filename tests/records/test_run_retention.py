@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from shoal.cli.main import main as cli_main
-from shoal.engine.fence import WriterRecord
 from shoal.engine.pipeline import run_retention
-from shoal.engine.retention import pack_ids_on
 from shoal.errors import TierError
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.manifest import Pointer
+from shoal.records.fence import WriterRecord
+from shoal.records.retention import pack_ids_on
 from shoal.tiers import open_tier
 from shoal.tiers.base import Tier
 from shoal.tiers.shared import FsspecTier
@@ -66,7 +66,7 @@ def test_run_retention_removes_an_old_damaged_step_and_its_packs_and_directory(
     for step in range(1, 6):
         _commit_step(tier, step)
     _damage(tier, how, 2)
-    with caplog.at_level(logging.WARNING, logger="shoal.engine.retention"):
+    with caplog.at_level(logging.WARNING, logger="shoal.records.retention"):
         freed, dropped = run_retention(tier, 2, 5)
     assert dropped == (pack_id(1), pack_id(2), pack_id(3)) and freed == 30
     assert _step_dirs(tmp_path) == [f"{4:012d}", f"{5:012d}"]  # emptied step directories are gone too
@@ -83,7 +83,7 @@ def test_run_retention_keeps_a_damaged_step_in_the_window_and_the_packs_up_to_it
         _commit_step(tier, step)
     tier.write(layout.pack_path(pack_id(6, 1)), b"y" * 7)  # an aborted save's pack, newer than the damage
     _damage(tier, how, 5)
-    with caplog.at_level(logging.WARNING, logger="shoal.engine.retention"):
+    with caplog.at_level(logging.WARNING, logger="shoal.records.retention"):
         freed, dropped = run_retention(tier, 2, 6)
     # Kept: 4 and 6 (the damaged 5 does not count); 1..3 go, but their packs may be 5's.
     assert dropped == (pack_id(6, 1),) and freed == 7

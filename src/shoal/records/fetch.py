@@ -1,7 +1,7 @@
 """The chunk fetcher: chunks by digest into destination buffers, verified, repaired from the next source.
 
 Every verified chunk read goes through :class:`Fetcher`: restore (:mod:`shoal.engine.restore`),
-:class:`~shoal.engine.store.ItemReader` (and so ``shoal export``) and ``shoal verify``.
+:class:`~shoal.records.store.ItemReader` (and so ``shoal export``) and ``shoal verify``.
 
 Each :class:`ChunkRequest` names a chunk (its digest and length), the buffers its bytes go to,
 and the places it can be read from, best first (:class:`ChunkSource`: a pack or staging slab

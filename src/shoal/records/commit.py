@@ -6,8 +6,8 @@ A strategy object beside the tiers' file commit strategies
 and what is checked before each write (docs/design.md section 4, steps 8-9; section 11):
 
 1. every pack the manifest references is on the tier whole
-   (:func:`~shoal.engine.catalog.require_packs`), else nothing is written;
-2. this process holds the job (:class:`~shoal.engine.fence.WriterFence`), checked before
+   (:func:`~shoal.records.catalog.require_packs`), else nothing is written;
+2. this process holds the job (:class:`~shoal.records.fence.WriterFence`), checked before
    each of the three writes;
 3. the manifest (B3 once it is durable), ``COMMIT`` (a pointer naming the manifest's
    digest), then ``LATEST``. If ``LATEST`` cannot be moved, the ``COMMIT`` record is taken
@@ -24,11 +24,11 @@ from collections.abc import Callable, Mapping
 
 from shoal import failpoints
 from shoal.boundary import Boundary
-from shoal.engine.catalog import require_packs
-from shoal.engine.fence import WriterFence
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.manifest import PackRecord, Pointer
+from shoal.records.catalog import require_packs
+from shoal.records.fence import WriterFence
 from shoal.tiers.base import Tier
 
 __all__ = ["CheckpointCommit", "WriteRecorder"]

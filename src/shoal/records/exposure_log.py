@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from shoal.boundary import Boundary
-from shoal.engine.events import CheckpointRecord, Event, read_events
 from shoal.errors import MissingFile, ShoalError
 from shoal.model.advisor import CheckpointTiming, FailureModel, IntervalAdvice, advise_intervals
 from shoal.model.exposure import FAILURE_CLASSES, CheckpointTimes, ExposureTimeline, exposure_timeline
+from shoal.records.events import CheckpointRecord, Event, read_events
 
 COORDINATOR = 0
 """The rank whose records describe the job's checkpoints (the coordinator commits)."""
@@ -98,7 +98,7 @@ def read_run_log(path: str, *, rank: int = COORDINATOR) -> RunLog:
 
 
 def run_log(events: Iterable[Event], *, rank: int = COORDINATOR, source: str = "the event log") -> RunLog:
-    """The run in ``events`` (oldest first, as :func:`~shoal.engine.events.read_events` returns them).
+    """The run in ``events`` (oldest first, as :func:`~shoal.records.events.read_events` returns them).
 
     Raises :class:`~shoal.errors.ShoalError` naming ``source`` when rank ``rank`` logged nothing
     there (the log of another host) or called no save.
@@ -365,6 +365,6 @@ def advise_from_events(
     rank: int = COORDINATOR,
     source: str = "the event log",
 ) -> RunAdvice:
-    """:func:`advise_run` over events as :func:`~shoal.engine.events.read_events` returns them."""
+    """:func:`advise_run` over events as :func:`~shoal.records.events.read_events` returns them."""
     log = run_log(events, rank=rank, source=source)
     return advise_run(log, failures, interval_s=interval_s, accelerators_per_node=accelerators_per_node)

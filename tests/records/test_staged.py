@@ -12,16 +12,16 @@ import pytest
 import torch
 
 import shoal
-from shoal.engine.hoststate import drop_leftover, find_leftovers
 from shoal.engine.inventory import read_staged
-from shoal.engine.staged import (
+from shoal.records.hoststate import drop_leftover, find_leftovers
+from shoal.records.staged import (
     STAGED_FORMAT,
     StagedIndex,
     chunks_path,
     dcp_path,
     staged_path,
 )
-from shoal.engine.stager import StagedItem
+from shoal.records.stager import StagedItem
 from shoal.testing.checkpoints import make_config
 from shoal.tiers.dram import DramTier
 

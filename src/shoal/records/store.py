@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import cast
 
 from shoal.boundary import Boundary
-from shoal.engine.fetch import DEFAULT_MAX_RUN, ChunkRequest, ChunkSource, Failure, Fetcher, SourceFile
 from shoal.errors import CheckpointNotFound, ChecksumMismatch, FormatError, MissingFile, ShoalError, TierError
 from shoal.format import layout
 from shoal.format.chunking import verify
 from shoal.format.manifest import ItemRecord, Manifest, Pointer, decode_manifest, decode_pointer
+from shoal.records.fetch import DEFAULT_MAX_RUN, ChunkRequest, ChunkSource, Failure, Fetcher, SourceFile
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def resolve_manifest(tier: Tier, step: int | None = None) -> Manifest:
 class ItemReader:
     """Reads items of one manifest from one tier, verifying every chunk before it is used.
 
-    Reads go through the one chunk fetcher (:class:`~shoal.engine.fetch.Fetcher`): the
+    Reads go through the one chunk fetcher (:class:`~shoal.records.fetch.Fetcher`): the
     chunks of the items asked for at once are read per contiguous run of a pack, each
     verified against its BLAKE3 digest before it is copied out, so bytes whose digest does
     not match never reach the caller's memory. A chunk several items share is read once.
