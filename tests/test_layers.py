@@ -66,7 +66,11 @@ def test_import_contract_is_kept() -> None:
         ("model/advisor.py", "import shoal.records.events", "shoal.model is not allowed to import"),
         ("records/retention.py", "import shoal.demo", "shoal.records is not allowed to import shoal.demo"),
         # the records are one process's reads and writes: they never reach up into the collectives
-        ("records/store.py", "import shoal.engine.restore", "shoal.records is not allowed to import shoal.engine"),
+        (
+            "records/store.py",
+            "import shoal.engine.restore",
+            "shoal.records is not allowed to import shoal.engine",
+        ),
         # the CLI works on records; the engine's collective modules are not its to import
         ("cli/ls.py", "import shoal.engine.restore", "shoal.cli is not allowed to import shoal.engine"),
         # the package root re-exports the front doors: importing it from below is a chain up to them

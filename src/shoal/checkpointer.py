@@ -162,18 +162,15 @@ class Checkpointer:
             rt.events.emit("skipped", step, in_flight=rt.in_flight_steps())
             log.warning("step %d skipped: every DRAM slot is in flight (%s)", step, rt.in_flight_steps())
             return handle
-        writer = shoal_dcp.StorageWriter(self, step, _started=started, _managed=True)
+        session = rt.begin_save(step, started=started)
+        writer = shoal_dcp.StorageWriter(self, step, session=session)
         try:
             save_state(state_dict, writer, step=step, no_dist=self.world_size == 1)
         except BaseException as e:
-            rt.abort(step, e)
+            session.abort(e)
             raise
         # dcp.save returned: every rank has staged (DCP's last collective saw every write).
-        rt.submit(step)
-        handle = writer.handle
-        handle.reach_at_least(Boundary.STAGED)
-        rt.watch(handle)
-        return handle
+        return session.submit()
 
     # -- load ----------------------------------------------------------------
     def load(
@@ -217,7 +214,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         # Chosen here, not inside dcp.load, so a missing checkpoint raises CheckpointNotFound as itself.
         restore = rt.begin_restore(step)
-        reader = shoal_dcp.StorageReader(self, _restore=restore, cast=cast)
+        reader = shoal_dcp.StorageReader(self, cast=cast, session=restore)
         target = state_dict if isinstance(state_dict, dict) else dict(state_dict)
         load_state(target, reader, no_dist=self.world_size == 1)
         report = restore.report

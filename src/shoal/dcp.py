@@ -29,7 +29,6 @@ import os
 import pickle
 import re
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -50,10 +49,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from shoal.boundary import Boundary
 from shoal.engine.handle import SaveHandle
 from shoal.engine.restore import LoadReport, Restore
 from shoal.engine.runtime import Runtime
+from shoal.engine.session import SaveSession
 from shoal.errors import (
     CollectiveMismatch,
     ConfigError,
@@ -260,28 +259,34 @@ class StorageWriter(_DcpStorageWriter):
     returns; ``finish`` (coordinator) records DCP's metadata and hands the
     checkpoint to the background pipeline, which reaches B3 and B4 later.
     After ``dcp.save`` returns, :attr:`handle` tracks the checkpoint.
+
+    ``session``: the :class:`~shoal.engine.session.SaveSession` of a save whose owner drives
+    ``dcp.save`` and submits the checkpoint once it returned (:meth:`shoal.Checkpointer.save`
+    does). Without one, the writer opens a direct session of its own: the save is checked to be
+    every rank's, and its checkpoint goes to the pipeline as soon as DCP's ``finish`` ran.
     """
 
-    def __init__(
-        self, checkpointer: HasRuntime, step: int, *, _started: float | None = None, _managed: bool = False
-    ) -> None:
+    def __init__(self, checkpointer: HasRuntime, step: int, *, session: SaveSession | None = None) -> None:
         super().__init__()
         self.checkpointer = checkpointer
         self.step = step
-        self._managed = _managed  # Checkpointer.save submits the job itself once dcp.save returns
-        self._started = time.perf_counter() if _started is None else _started
-        self._handle: SaveHandle | None = None
-        self._staged: Any = None
+        if session is None:
+            session = checkpointer.runtime.begin_save(step, direct=True)
+        elif session.step != step:
+            raise ConfigError(
+                f"StorageWriter for step {step} was given the save session of step {session.step}"
+            )
+        self.session = session
+        """The save this writer stages (see the class docstring)."""
         self.is_coordinator = True
-        # Every rank makes one writer per save, so the count names the save alike on every rank.
-        self._sequence = None if _managed else checkpointer.runtime.next_save_sequence()
 
     @property
     def handle(self) -> SaveHandle:
         """The checkpoint's :class:`SaveHandle` (available once ``write_data`` ran)."""
-        if self._handle is None:
-            raise StateError(f"step {self.step}: the writer has not been used by dcp.save yet")
-        return self._handle
+        try:
+            return self.session.handle
+        except StateError:
+            raise StateError(f"step {self.step}: the writer has not been used by dcp.save yet") from None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -299,10 +304,8 @@ class StorageWriter(_DcpStorageWriter):
         naming them, before DCP waits out the process group's timeout.
         """
         self.is_coordinator = is_coordinator
-        if self._managed:
-            return  # Checkpointer.save entered the collective before dcp.save
         try:
-            self.checkpointer.runtime.enter_collective(f"dcp.save(step {self.step})")
+            self.session.enter()  # a no-op when Checkpointer.save entered it before dcp.save
         except CollectiveMismatch as e:
             log.error("%s", e)
             raise
@@ -328,13 +331,7 @@ class StorageWriter(_DcpStorageWriter):
                         f"item {key!r}: the planner resolved a {type(data).__name__}, not a tensor"
                     )
             entries.append(StageEntry(key, payload))
-        gate = None
-        if self._sequence is not None:  # dcp.save called directly: the pipeline waits for finish
-            gate = self.checkpointer.runtime.new_gate(self._sequence, self.step)
-        self._handle, staged = self.checkpointer.runtime.stage(
-            self.step, entries, started=self._started, gate=gate
-        )
-        self._staged = staged
+        staged = self.session.stage(entries)
         sizes = {s.key: s.nbytes for s in staged} if staged is not None else {}
         for item, entry in zip(plan.items, entries, strict=True):
             results.append(
@@ -346,10 +343,7 @@ class StorageWriter(_DcpStorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
-        self.checkpointer.runtime.attach_metadata(self.step, metadata, gated=not self._managed)
-        if not self._managed:
-            # every rank's write results reached finish(): every rank has staged
-            self.handle.reach_at_least(Boundary.STAGED)
+        self.session.finish(metadata)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -414,14 +408,14 @@ class StorageReader(_DcpStorageReader):
         step: int | None = None,
         *,
         cast: bool = False,
-        _restore: Restore | None = None,
+        session: Restore | None = None,
     ) -> None:
         super().__init__()
         self.cast = cast
         """Whether a stored tensor may be cast to its target's dtype (else a dtype mismatch is an error)."""
         self.checkpointer = checkpointer
-        self._restore = _restore
-        manifest = _restore.manifest if _restore is not None else None
+        self.session = session
+        manifest = session.manifest if session is not None else None
         self.step = step if manifest is None else manifest.step
         self._requested = step
         self.report: LoadReport | None = None
@@ -448,16 +442,16 @@ class StorageReader(_DcpStorageReader):
             )
 
     def _manifest(self) -> Manifest:
-        if self._restore is None:
+        if self.session is None:
             # The choice is collective: enter it only once every rank is here (a rank whose
             # read_metadata failed before ours never comes; the others then fail alike).
             limit = self.checkpointer.runtime.config.collective_timeout
             closed = self.checkpointer.runtime.arrive(self._sequence, "read_metadata", limit)
             if closed is not None:
                 raise _PeerFailed(closed)
-            self._restore = self.checkpointer.runtime.begin_restore(self._requested)
-        assert self._restore.manifest is not None
-        return self._restore.manifest
+            self.session = self.checkpointer.runtime.begin_restore(self._requested)
+        assert self.session.manifest is not None
+        return self.session.manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Collective: choose the checkpoint; its DCP metadata, checked against the manifest.
@@ -497,7 +491,7 @@ class StorageReader(_DcpStorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._peer_failed is not None:  # DCP went on after another rank's failure (it gathers next)
             return _failed_future(RestoreFailed(f"nothing was read: {self._peer_failed}"))
-        if self._restore is None or self._restore.manifest is None:
+        if self.session is None or self.session.manifest is None:
             raise StateError("shoal.dcp.StorageReader: read_data was called before read_metadata")
         rt = self.checkpointer.runtime
         try:
@@ -514,7 +508,7 @@ class StorageReader(_DcpStorageReader):
             # A rank failed before reading (its own error reaches DCP's gather): read nothing.
             fut.set_result(None)
             return fut
-        self.report = self._restore.fetch(dests, problem=problem)
+        self.report = self.session.fetch(dests, problem=problem)
         for finish in finishers:
             finish()
         fut.set_result(None)
@@ -524,8 +518,8 @@ class StorageReader(_DcpStorageReader):
         self, plan: LoadPlan, planner: LoadPlanner
     ) -> tuple[str | None, dict[str, memoryview], list[Any]]:
         """Where each read item's bytes land: (a problem every rank reports, destinations, finishers)."""
-        assert self._restore is not None and self._restore.manifest is not None
-        manifest = self._restore.manifest
+        assert self.session is not None and self.session.manifest is not None
+        manifest = self.session.manifest
         storage = self._metadata.storage_data or {}
         groups: dict[str, list[ReadItem]] = defaultdict(list)
         problem: str | None = None

@@ -3,12 +3,13 @@
 Both front doors are thin clients of it: :class:`shoal.Checkpointer` (the manager API)
 and :mod:`shoal.dcp` (DCP's ``StorageWriter``/``StorageReader``). A :class:`Runtime` holds
 this process's lock and run (:mod:`shoal.records.hoststate`), its tiers, the topology, the
-background fabric, the DRAM slot ring, the pipeline and the restore context. Its public
-methods are the save session (check a new step, stage, attach DCP's metadata, submit,
-abort; the gates of saves made through DCP directly) and the load session (arrive, begin a
-restore), plus ``latest``, ``exposure`` (local, never blocks), ``wait`` and ``close``. Which ranks
-call what, and in which order, is said on each method; "collective" means every rank calls it, in
-the same order.
+background fabric, the DRAM slot ring, the pipeline and the restore context. It opens the
+save session (:meth:`Runtime.begin_save`, a :class:`~shoal.engine.session.SaveSession`,
+which stages, attaches DCP's metadata and submits or aborts through the methods below) and
+the load session (:meth:`Runtime.begin_restore`, a :class:`~shoal.engine.restore.Restore`;
+the arrivals of a load made through DCP directly), and has ``latest``, ``exposure`` (local,
+never blocks), ``wait`` and ``close``. Which ranks call what, and in which order, is said on
+each method; "collective" means every rank calls it, in the same order.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from shoal.engine.path import PathPolicy, default_policy
 from shoal.engine.pipeline import Pipeline
 from shoal.engine.protocol import Gate
 from shoal.engine.restore import Restore, RestoreContext
+from shoal.engine.session import SaveSession
 from shoal.errors import (
     CheckpointExists,
     CollectiveMismatch,
@@ -67,7 +69,7 @@ from shoal.records.hoststate import (
 )
 from shoal.records.metacache import MetadataEncoder
 from shoal.records.staged import StagedIndex, delete_staged
-from shoal.records.stager import Slot, SlotRing, StagedItem, StageEntry, stage_into
+from shoal.records.stager import Slot, SlotRing, StageEntry, stage_into
 from shoal.records.store import newest_reached, read_pointer, resolve_manifest
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
@@ -174,7 +176,8 @@ class Runtime:
         self._lock = threading.Lock()
         self._encoder = MetadataEncoder()
         """The last save's encoded DCP metadata, given again while the layout stays the same."""
-        self._staging: dict[int, SaveJob] = {}
+        self._staging: set[int] = set()
+        """Steps staged by a save session whose owner has not submitted or aborted them yet."""
         self._watched: list[SaveHandle] = []
         """Handles of recent saves, until they finish: the newest B4 supersedes leftovers."""
         self._committed: set[int] = set()
@@ -338,14 +341,24 @@ class Runtime:
             raise CheckpointExists(problems[0])
         return any(b for _, b in votes)
 
+    def begin_save(self, step: int, *, started: float | None = None, direct: bool = False) -> SaveSession:
+        """A :class:`~shoal.engine.session.SaveSession` for ``step`` on this rank (every rank).
+
+        ``direct``: ``dcp.save`` was called with shoal's writer and no session (the session then
+        checks the collective and gates its checkpoint); otherwise the caller has checked and
+        submits once ``dcp.save`` returned.
+        """
+        self.check_open()
+        return SaveSession(self, step, started=started, direct=direct)
+
     def stage(
         self, step: int, entries: Sequence[StageEntry], *, started: float, gate: Gate | None
-    ) -> tuple[SaveHandle, list[StagedItem] | None]:
-        """Copy ``entries`` into a free DRAM slot (the writer's ``write_data``); None items if skipped.
+    ) -> tuple[SaveHandle, SaveJob | None]:
+        """Copy ``entries`` into a free DRAM slot (:meth:`SaveSession.stage`); no job if skipped.
 
-        ``gate`` None: :meth:`save` drives DCP and submits the job once ``dcp.save`` returned on
-        every rank. With a gate (``dcp.save`` called directly with shoal's writer) the job goes to
-        the pipeline at once and waits there until the rank that runs DCP's ``finish`` opens the
+        ``gate`` None: the session's owner submits the job once ``dcp.save`` returned on every
+        rank. With a gate (``dcp.save`` called directly with shoal's writer) the job goes to the
+        pipeline at once and waits there until the rank that runs DCP's ``finish`` opens the
         gate, or the save is abandoned (see :class:`~shoal.engine.protocol.Gate`).
         """
         self.check_open()
@@ -391,13 +404,13 @@ class Runtime:
         self.exposure_feed.saved(step, called)
         if gate is None:
             with self._lock:
-                self._staging[step] = job
+                self._staging.add(step)
         else:
             job.gate = gate
             job.dcp_ready.set()  # whatever metadata there is comes with the gate (finish runs first)
             self._pipeline.submit(job)
             self.watch(handle)
-        return handle, staged
+        return handle, job
 
     def exposure(self, step: int | None = None) -> Exposure:
         """This process's rollback exposure now, per failure class (``step``: the current step)."""
@@ -415,16 +428,13 @@ class Runtime:
             )
             self._warmer.start()
 
-    def attach_metadata(self, step: int, metadata: Metadata, *, gated: bool) -> None:
+    def attach_metadata(self, job: SaveJob, metadata: Metadata, *, gated: bool) -> None:
         """DCP's ``finish`` (on DCP's coordinator): keep the encoded metadata for the manifest.
 
         ``gated`` (``dcp.save`` called directly): open the checkpoint's gate, so that every
         rank's pipeline takes it on; if this fails, the gate fails and every rank skips it.
         """
-        with self._lock:
-            job = self._staging.get(step) or self._pipeline.job(step)
-        if job is None:
-            return  # skipped
+        step = job.step
         try:
             job.dcp = self._encoder.encode(metadata)
             if job.staged is not None:  # the checkpoint is restorable from DRAM alone from here on
@@ -440,21 +450,19 @@ class Runtime:
         if gated:
             job.gate.open()
 
-    def submit(self, step: int) -> None:
-        """Hand the staged checkpoint to the pipeline; non-coordinators have no DCP metadata to wait for."""
+    def submit(self, job: SaveJob) -> None:
+        """Hand a staged checkpoint to the pipeline; non-coordinators have no DCP metadata to wait for."""
         with self._lock:
-            job = self._staging.pop(step, None)
-        if job is None:
-            return  # skipped, or already submitted
+            self._staging.discard(job.step)
         job.dcp_ready.set()  # DCP's finish ran (on the coordinator) before dcp.save returned
         self._pipeline.submit(job)
 
-    def abort(self, step: int, error: BaseException) -> None:
+    def abort(self, job: SaveJob, error: BaseException) -> None:
+        """Give up a staged checkpoint that was never submitted: free its slot, fail its handle at B1."""
         with self._lock:
-            job = self._staging.pop(step, None)
-        if job is not None:
-            self._ring.release(job.slot)
-            job.handle.fail(Boundary.STAGED, error)
+            self._staging.discard(job.step)
+        self._ring.release(job.slot)
+        job.handle.fail(Boundary.STAGED, error)
 
     def watch(self, handle: SaveHandle) -> None:
         """Remember ``handle`` until it finishes; a B4 drops the leftovers it supersedes."""
@@ -495,7 +503,7 @@ class Runtime:
         return Gate(self._board, f"save/{sequence}/step-{step}")
 
     def next_save_sequence(self) -> int:
-        """Count a ``shoal.dcp.StorageWriter`` made on this rank (every rank makes one per save)."""
+        """Count a direct save session on this rank (every rank makes one per ``dcp.save``)."""
         with self._lock:
             self._dcp_saves += 1
             return self._dcp_saves
