@@ -35,14 +35,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from shoal.group.planner import (
-    ChunkTable,
-    Digests,
-    GroupPlan,
-    PlanCache,
-    RankChunks,
-    plan_group_save,
-)
+from shoal.group.digests import Digests
+from shoal.group.plan import ChunkTable, GroupPlan, RankChunks
+from shoal.group.planner import PlanCache, plan_group_save
 from shoal.group.topology import build_topology
 
 CHUNK = 4 << 20

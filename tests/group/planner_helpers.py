@@ -12,7 +12,9 @@ import pickle
 from collections.abc import Iterable, Mapping, Sequence
 
 from shoal.format.chunking import digest
-from shoal.group.planner import ChunkTable, Digests, GroupPlan, ItemChunks, RankChunks, plan_group_save
+from shoal.group.digests import Digests
+from shoal.group.plan import ChunkTable, GroupPlan, ItemChunks, RankChunks
+from shoal.group.planner import plan_group_save
 from shoal.group.topology import build_topology
 
 

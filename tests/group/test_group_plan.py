@@ -13,17 +13,9 @@ from hypothesis import strategies as st
 
 from shoal.errors import ConfigError
 from shoal.group._tables import index_tables, same_tables
-from shoal.group.planner import (
-    ChunkRef,
-    ChunkTable,
-    Digests,
-    GroupPlan,
-    ItemChunks,
-    PlanCache,
-    RankChunks,
-    Transfer,
-    plan_group_save,
-)
+from shoal.group.digests import Digests
+from shoal.group.plan import ChunkRef, ChunkTable, GroupPlan, ItemChunks, RankChunks, Transfer
+from shoal.group.planner import PlanCache, plan_group_save
 from shoal.group.topology import Topology, build_topology
 
 from .planner_helpers import _d, _item, hosts_by_digest, pickled, plan_drains, rank, table

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.group.planner import ChunkRef, GroupPlan, RankChunks
+from shoal.group.plan import ChunkRef, GroupPlan, RankChunks
 
 from .planner_helpers import _d, _item, hosts_by_digest, plan_drains, rank
 

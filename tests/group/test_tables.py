@@ -13,15 +13,8 @@ from hypothesis import strategies as st
 
 from shoal.group._tables import index_tables
 from shoal.group.digests import Digests
-from shoal.group.planner import (
-    ChunkRuns,
-    ChunkTable,
-    GroupPlan,
-    ItemChunks,
-    PlanCache,
-    RankChunks,
-    plan_group_save,
-)
+from shoal.group.plan import ChunkRuns, ChunkTable, GroupPlan, ItemChunks, RankChunks
+from shoal.group.planner import PlanCache, plan_group_save
 from shoal.group.topology import build_topology
 
 from .planner_helpers import _d, _item, pickled, plan_drains, rank, table

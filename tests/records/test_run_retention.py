@@ -14,7 +14,7 @@ from shoal.errors import TierError
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.manifest import Pointer
-from shoal.records.fence import WriterRecord
+from shoal.records.fence import WriterClaim
 from shoal.records.retention import pack_ids_on
 from shoal.tiers import open_tier
 from shoal.tiers.base import Tier
@@ -141,7 +141,7 @@ def test_gc_judges_the_steps_of_the_writer_holding_the_job(
     for step in (7, 8):  # another job with the same name, further along
         _commit_step(tier, step, writer=a)
     tier.write(layout.LATEST, tier.read(layout.commit_path(3)))
-    tier.write(layout.WRITER, WriterRecord(b, "hb", 42, 1.0).encode())
+    tier.write(layout.WRITER, WriterClaim(b, "hb", 42, 1.0).encode())
     code, out, err = _gc(capsys, tier.url, "--keep-last", "1")
     assert code == 0, err
     assert f"left step 7 alone: committed by writer {a}" in out and f"writer {b} (host 'hb'" in out

@@ -14,7 +14,7 @@ from shoal.errors import ChecksumMismatch, FormatError, InvalidName, MissingFile
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.manifest import ItemRecord, PackRecord, Stats, WorldInfo, decode_manifest, decode_pointer
-from shoal.format.manifest_build import Holdings, ManifestHeader, build_manifest
+from shoal.format.manifest_build import ManifestHeader, TierChunks, build_manifest
 from shoal.format.pack import PackEntry, PackIndex, decode_index
 from shoal.group.plan import ChunkRef
 from shoal.records.commit import CheckpointCommit
@@ -118,12 +118,12 @@ HEADER = ManifestHeader(
 )  # fmt: skip
 
 
-def _holdings(payloads: list[bytes], pack: str) -> Holdings:
+def _holdings(payloads: list[bytes], pack: str) -> TierChunks:
     entries, off = [], 0
     for p in payloads:
         entries.append(PackEntry(digest(p), off, len(p)))
         off += len(p)
-    return Holdings.of_packs([PackIndex(pack, off, digest(b"".join(payloads)), tuple(entries))])
+    return TierChunks.of_packs([PackIndex(pack, off, digest(b"".join(payloads)), tuple(entries))])
 
 
 def test_every_chunk_is_located_in_the_first_holding_that_has_it() -> None:
@@ -156,7 +156,7 @@ def test_a_chunk_no_pack_holds_fails_a_full_manifest_and_is_left_out_of_a_partia
 
 def test_header_of_a_manifest_rebuilds_it() -> None:
     m = build_manifest(HEADER, [ItemRecord("x", 0, "bytes", 1, (digest(b"a"),))], [_holdings([b"a"], "p")])
-    again = build_manifest(ManifestHeader.of(m), list(m.items.values()), [Holdings(m.locations, m.packs)])
+    again = build_manifest(ManifestHeader.of(m), list(m.items.values()), [TierChunks(m.locations, m.packs)])
     assert again == m
 
 
@@ -165,7 +165,7 @@ def _committable(tier: PosixTier) -> tuple[bytes, dict[str, PackRecord]]:
     index = write_pack(tier, PACK, _refs(), map(memoryview, PAYLOADS), what="t", rank=0)
     packs = {PACK: PackRecord(index.size, index.blake3)}
     items = [ItemRecord(f"item{i}", 0, "bytes", len(p), (digest(p),)) for i, p in enumerate(PAYLOADS)]
-    manifest = build_manifest(HEADER, items, [Holdings.of_packs([index])])
+    manifest = build_manifest(HEADER, items, [TierChunks.of_packs([index])])
     return manifest.encode(), packs
 
 

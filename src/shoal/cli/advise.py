@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 from rich.text import Text
 
-from shoal.cli.common import print_json, stdout_console
+from shoal.cli.common import positive_int, print_json, stdout_console
 from shoal.cli.exposure import add_log_options, read_log, seconds_text
 
 if TYPE_CHECKING:
@@ -50,16 +50,6 @@ def _seconds(text: str) -> float:
 
 def _seconds_or_zero(text: str) -> float:
     return _number(text, "seconds", zero=True)
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return value
 
 
 def failure_model(args: argparse.Namespace) -> FailureModel:
@@ -185,7 +175,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     need.add_argument(
         "--node-mtbf", metavar="HOURS", type=_hours, required=True, help="one node's MTBF, in hours"
     )
-    need.add_argument("--nodes", metavar="N", type=_count, required=True, help="the job's node count")
+    need.add_argument("--nodes", metavar="N", type=positive_int, required=True, help="the job's node count")
     need.add_argument(
         "--restart",
         metavar="SECONDS",
@@ -196,7 +186,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--accelerators-per-node",
         metavar="K",
-        type=_count,
+        type=positive_int,
         help="accelerators per node, for the waste in accelerator-hours per day",
     )
     p.add_argument(

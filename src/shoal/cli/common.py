@@ -389,6 +389,17 @@ def step_number(text: str) -> int:
     return step
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (``--keep-last``, ``--nodes``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
 def directory_in_the_way(error: BaseException) -> bool:
     """Whether a missing-file error was a directory where the file should be (not a missing file)."""
     seen: BaseException | None = error

@@ -21,11 +21,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.boundary import Boundary
-from shoal.cli.common import DEFAULT_JOB, CliError, human_bytes, open_job, stderr_console, stdout_console
+from shoal.cli.common import (
+    DEFAULT_JOB,
+    CliError,
+    human_bytes,
+    open_job,
+    positive_int,
+    stderr_console,
+    stdout_console,
+)
 from shoal.config import default_dram_root
 from shoal.errors import FormatError, MissingFile, OwnershipError
 from shoal.format import layout
-from shoal.records.fence import WriterRecord, read_writer
+from shoal.records.fence import WriterClaim, read_writer
 from shoal.records.retention import RetentionPlan, apply_retention, latest_step, pack_ids_on, plan_retention
 from shoal.records.store import list_checkpoints
 from shoal.tiers.base import Tier
@@ -38,7 +46,7 @@ class GcPlan:
     plan: RetentionPlan
     boundaries: dict[int, Boundary | None]
     latest: int | None
-    holder: WriterRecord | None
+    holder: WriterClaim | None
     """The writer the job's ``WRITER`` record names (whose steps are judged), or None."""
     writers: dict[int, str | None]
     """Step -> the writer its manifest names (None: not recorded, or the manifest is damaged)."""
@@ -48,7 +56,7 @@ class GcPlan:
 def plan_gc(tier: Tier, keep_last: int | None, *, all_writers: bool = False) -> GcPlan:
     """The retention plan for ``tier`` (a job directory on shared storage), with what the report needs."""
     warnings: list[str] = []
-    holder: WriterRecord | None = None
+    holder: WriterClaim | None = None
     if not all_writers:
         try:
             holder = read_writer(tier)
@@ -209,13 +217,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "gc",
@@ -231,7 +232,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "it could not.",
     )
     p.add_argument("url", nargs="?", help="the job directory (<shared>/<job>), a path or fsspec URL")
-    p.add_argument("--keep-last", type=_at_least_one, metavar="N", help="committed checkpoints to keep")
+    p.add_argument("--keep-last", type=positive_int, metavar="N", help="committed checkpoints to keep")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     p.add_argument(
         "--all-writers",

@@ -66,28 +66,20 @@ from shoal.engine.protocol import (
 )
 from shoal.format import layout
 from shoal.format.manifest import ItemRecord, Stats, WorldInfo
-from shoal.format.manifest_build import Holdings, ManifestHeader, build_manifest
+from shoal.format.manifest_build import ManifestHeader, TierChunks, build_manifest
 from shoal.format.pack import PackIndex
-from shoal.group.planner import ChunkRef, ChunkTable, Digests, GroupPlan, RankChunks
+from shoal.group.digests import Digests
+from shoal.group.plan import ChunkRef, ChunkTable, GroupPlan, RankChunks
 from shoal.model.paths import PathTimes
 from shoal.records.catalog import ChunkCatalog, pack_problems
 from shoal.records.commit import CheckpointCommit
 from shoal.records.events import monotonic
 from shoal.records.fence import WriterFence, after_failed_commit
 from shoal.records.packwriter import drain_parts, slab_runs, write_pack
-from shoal.records.staged import STAGED_DIR
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "STAGED_DIR",
-    "GroupFailure",
-    "GroupSave",
-    "PipelineContext",
-    "RankReport",
-    "ReportItem",
-    "SaveJob",
-]
+__all__ = ["GroupSave", "emit_checkpoint"]
 
 
 class GroupSave:
@@ -509,8 +501,8 @@ class GroupSave:
         try:
             assert ctx.shared_catalog is not None
             commit = CheckpointCommit(ctx.shared, self._fence(), self.step, rank=ctx.rank, record=self._wrote)
-            drained = Holdings.of_packs(i for r in results if isinstance(r, Drained) for i in r.packs)
-            kept = Holdings(ctx.shared_catalog.locations, ctx.shared_catalog.packs)
+            drained = TierChunks.of_packs(i for r in results if isinstance(r, Drained) for i in r.packs)
+            kept = TierChunks(ctx.shared_catalog.locations, ctx.shared_catalog.packs)
             manifest = build_manifest(self._header(), _items(reports), [drained, kept])
             commit.commit(manifest.encode(), manifest.packs)
             ctx.shared_catalog.add_manifest(manifest, manifest_digest=commit.manifest_digest)

@@ -24,8 +24,9 @@ from collections.abc import Callable, Collection
 
 from shoal._collector import collector_paused
 from shoal.boundary import Boundary
-from shoal.engine.group_save import GroupSave, PipelineContext, SaveJob, emit_checkpoint
+from shoal.engine.group_save import GroupSave, emit_checkpoint
 from shoal.engine.handle import SaveHandle
+from shoal.engine.protocol import PipelineContext, SaveJob
 from shoal.errors import CheckpointFailed, StateError, WriterFenced
 from shoal.records.fence import WriterFence
 from shoal.records.packlist import StepSummaries, summarise

@@ -21,10 +21,9 @@ from shoal.engine.protocol import PipelineContext
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.manifest import ItemRecord, decode_manifest
-from shoal.format.manifest_build import Holdings, ManifestHeader, build_manifest
+from shoal.format.manifest_build import ManifestHeader, TierChunks, build_manifest
 from shoal.format.pack import PackIndex
-from shoal.group.plan import ChunkRef
-from shoal.group.planner import GroupPlan
+from shoal.group.plan import ChunkRef, GroupPlan
 from shoal.records.events import monotonic
 from shoal.records.packwriter import write_pack
 
@@ -139,7 +138,7 @@ def host_manifests(
         if isinstance(result, PackIndex):
             by_host[ctx.topology.host_of(rank)].append(result)
     return {
-        host: build_manifest(header, items, [Holdings.of_packs(indexes)], partial=True).encode()
+        host: build_manifest(header, items, [TierChunks.of_packs(indexes)], partial=True).encode()
         for host, indexes in by_host.items()
     }
 
@@ -156,7 +155,10 @@ def write_host_manifest(ctx: PipelineContext, step: int, data: bytes) -> None:
     manifest = decode_manifest(data, where)
     catalog = ctx.host_catalog
     if catalog is not None and len(catalog):
-        holdings = [Holdings(manifest.locations, manifest.packs), Holdings(catalog.locations, catalog.packs)]
+        holdings = [
+            TierChunks(manifest.locations, manifest.packs),
+            TierChunks(catalog.locations, catalog.packs),
+        ]
         header = ManifestHeader.of(manifest)
         manifest = build_manifest(header, list(manifest.items.values()), holdings, partial=True)
         data = manifest.encode()

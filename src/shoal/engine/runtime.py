@@ -29,11 +29,10 @@ from shoal import failpoints
 from shoal.boundary import Boundary
 from shoal.config import Config
 from shoal.engine.exposure_feed import ExposureFeed
-from shoal.engine.group_save import PipelineContext, SaveJob
 from shoal.engine.handle import SaveHandle
 from shoal.engine.path import PathPolicy, default_policy
 from shoal.engine.pipeline import Pipeline
-from shoal.engine.protocol import Gate
+from shoal.engine.protocol import Gate, PipelineContext, SaveJob
 from shoal.engine.restore import Restore, RestoreContext
 from shoal.engine.session import SaveSession
 from shoal.errors import (

@@ -18,18 +18,18 @@ from shoal.errors import FormatError
 from shoal.format.manifest import ChunkLocation, ItemRecord, Manifest, PackRecord, Stats, WorldInfo
 from shoal.format.pack import PackIndex
 
-__all__ = ["Holdings", "ManifestHeader", "build_manifest"]
+__all__ = ["TierChunks", "ManifestHeader", "build_manifest"]
 
 
 @dataclass(frozen=True)
-class Holdings:
+class TierChunks:
     """Chunks that lie on one tier: digest -> location, and the records of those packs."""
 
     locations: Mapping[str, ChunkLocation] = field(default_factory=dict)
     packs: Mapping[str, PackRecord] = field(default_factory=dict)
 
     @classmethod
-    def of_packs(cls, indexes: Iterable[PackIndex]) -> Holdings:
+    def of_packs(cls, indexes: Iterable[PackIndex]) -> TierChunks:
         """The chunks of freshly written packs, from their indexes."""
         locations: dict[str, ChunkLocation] = {}
         packs: dict[str, PackRecord] = {}
@@ -77,7 +77,7 @@ class ManifestHeader:
 def build_manifest(
     header: ManifestHeader,
     items: Sequence[ItemRecord],
-    holdings: Sequence[Holdings],
+    holdings: Sequence[TierChunks],
     *,
     partial: bool = False,
 ) -> Manifest:
@@ -124,7 +124,7 @@ def build_manifest(
     )
 
 
-def _locate(d: str, holdings: Sequence[Holdings]) -> tuple[ChunkLocation, PackRecord] | None:
+def _locate(d: str, holdings: Sequence[TierChunks]) -> tuple[ChunkLocation, PackRecord] | None:
     for h in holdings:
         loc = h.locations.get(d)
         if loc is not None:

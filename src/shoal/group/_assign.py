@@ -270,7 +270,7 @@ def _built_runs(
 
 
 @dataclass
-class Drained:
+class DrainAssignments:
     """The drains, and per slot its runs and chunk count (transfers reuse the runs when equal)."""
 
     drains: list[DrainAssignment]
@@ -298,14 +298,16 @@ def _chunk_counts(
     return np.rint(counts + np.bincount(part_slots, minlength=n_slots)).astype(np.int64)
 
 
-def drains(h: Holdings, w: Work, hosts: Hosts, owner: np.ndarray) -> Drained:
+def drains(h: Holdings, w: Work, hosts: Hosts, owner: np.ndarray) -> DrainAssignments:
     solo = w.solo_items
     new = np.flatnonzero(owner >= 0)
     item, index = _located(h, w, new, owner[new])
     runs = _runs(h, solo, at_items(h.holder, solo), owner[new], item, index)
     ranks, names, slot_host = hosts.ranks, hosts.names, hosts.slot_host.tolist()
     out = [DrainAssignment(ranks[slot], names[slot_host[slot]], r) for slot, r in runs]
-    return Drained(out, dict(runs), _chunk_counts(h, w.solo_items, owner[new], len(hosts.ranks), w.counted))
+    return DrainAssignments(
+        out, dict(runs), _chunk_counts(h, w.solo_items, owner[new], len(hosts.ranks), w.counted)
+    )
 
 
 @dataclass
@@ -368,7 +370,7 @@ def transfers(
     owner: np.ndarray,
     r: Replicas,
     partner: Sequence[int],
-    drained: Drained,
+    drained: DrainAssignments,
 ) -> list[Transfer]:
     n_solo_chunks = int(at_items(h.count, r.solo).sum())
     whole = r.solo

@@ -79,16 +79,10 @@ from shoal.group import _assign as assign
 from shoal.group._assign import Hosts
 from shoal.group._holdings import Holdings
 from shoal.group._tables import index_tables, same_tables
-from shoal.group.digests import Digests
 from shoal.group.plan import (
-    ChunkRef,
-    ChunkRuns,
     ChunkTable,
-    DrainAssignment,
     GroupPlan,
-    ItemChunks,
     RankChunks,
-    Transfer,
 )
 from shoal.group.topology import Topology
 
@@ -296,16 +290,4 @@ class PlanCache:
         return plan
 
 
-__all__ = [  # the plan's data types live in shoal.group.plan; importing them from here still works
-    "ChunkRef",
-    "ChunkRuns",
-    "ChunkTable",
-    "Digests",
-    "DrainAssignment",
-    "GroupPlan",
-    "ItemChunks",
-    "PlanCache",
-    "RankChunks",
-    "Transfer",
-    "plan_group_save",
-]
+__all__ = ["PlanCache", "plan_group_save"]

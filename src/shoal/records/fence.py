@@ -46,7 +46,7 @@ MAX_LINEAGE = 64
 __all__ = [
     "WRITER_FORMAT",
     "WriterFence",
-    "WriterRecord",
+    "WriterClaim",
     "after_failed_commit",
     "decode_writer",
     "read_writer",
@@ -54,8 +54,8 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class WriterRecord:
-    """The content of a job's ``WRITER`` record: who claimed the job, where and when."""
+class WriterClaim:
+    """A job's writer claim (its ``WRITER`` record): who claimed the job, where and when."""
 
     writer: str
     host: str
@@ -94,7 +94,7 @@ def _when(t: float) -> str:
         return f"at unix time {t!r}"
 
 
-def decode_writer(data: bytes, where: str) -> WriterRecord:
+def decode_writer(data: bytes, where: str) -> WriterClaim:
     """Parse and validate a ``WRITER`` record; any problem is a :class:`~shoal.errors.FormatError`."""
     doc = load_json(data, f"writer record {where}")
     if not isinstance(doc, dict):
@@ -122,10 +122,10 @@ def decode_writer(data: bytes, where: str) -> WriterRecord:
         raise FormatError(
             f"writer record {where}: inherits must be a list of at most {MAX_LINEAGE} writer ids"
         )
-    return WriterRecord(writer, host, pid, float(claimed), tuple(inherits))
+    return WriterClaim(writer, host, pid, float(claimed), tuple(inherits))
 
 
-def read_writer(shared: Tier) -> WriterRecord | None:
+def read_writer(shared: Tier) -> WriterClaim | None:
     """The job's ``WRITER`` record, or None if there is none; FormatError if it is malformed."""
     try:
         data = shared.read_small(layout.WRITER, layout.MAX_POINTER_BYTES, "writer record")
@@ -142,9 +142,9 @@ class WriterFence:
     back (the process must be restarted, under another ``Config.job`` or shared root).
     """
 
-    def __init__(self, record: WriterRecord) -> None:
+    def __init__(self, record: WriterClaim) -> None:
         self.record = record
-        self.superseded_by: WriterRecord | None = None
+        self.superseded_by: WriterClaim | None = None
 
     @property
     def writer_id(self) -> str:
@@ -174,7 +174,7 @@ class WriterFence:
         inherits: tuple[str, ...] = ()
         if resumed and previous is not None:
             inherits = (*previous.inherits, previous.writer)[-MAX_LINEAGE:]
-        record = WriterRecord(secrets.token_hex(8), host, pid, time.time(), inherits)
+        record = WriterClaim(secrets.token_hex(8), host, pid, time.time(), inherits)
         shared.write(layout.WRITER, record.encode())
         if previous is not None and resumed:
             log.info(
@@ -198,7 +198,7 @@ class WriterFence:
             log.info("%s: claimed the job as %s", shared.url, record.describe())
         return cls(record)
 
-    def holder(self, shared: Tier) -> WriterRecord | None:
+    def holder(self, shared: Tier) -> WriterClaim | None:
         """Who holds the job now, read from ``shared`` (None: no record; FormatError: malformed)."""
         return read_writer(shared)
 
