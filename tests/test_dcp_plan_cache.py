@@ -23,7 +23,7 @@ def _save_load(ckpt: shoal.Checkpointer, step: int, state: dict[str, Any]) -> No
 def test_an_unchanged_layout_reuses_the_plans_and_a_changed_one_plans_again(
     tmp_path: Path, dram_root: Path
 ) -> None:
-    cache = SavePlanner._cache
+    cache = SavePlanner.plan_cache
     state: dict[str, Any] = {"a": torch.randn(4, 3), "b": torch.arange(5), "meta": {"epoch": 1}}
     with shoal.Checkpointer(make_config(tmp_path, dram_root, keep_last=None)) as ckpt:
         _save_load(ckpt, 1, state)
@@ -74,8 +74,9 @@ def test_item_keys_are_computed_again_for_another_list_of_items() -> None:
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    from shoal.dcp import _item_keys
+    from shoal.dcp import SavePlanner
 
+    _item_keys = SavePlanner.plan_cache.item_keys
     items = [
         WriteItem(MetadataIndex("a.b"), WriteItemType.BYTE_IO),
         WriteItem(MetadataIndex("c"), WriteItemType.BYTE_IO),

@@ -31,7 +31,7 @@ import re
 import threading
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from shoal._torch_private import plan_caching
 from shoal.engine.handle import SaveHandle
 from shoal.engine.restore import LoadReport, Restore
 from shoal.engine.runtime import Runtime
@@ -118,15 +119,30 @@ def _layout_signature(state_dict: Mapping[str, Any]) -> tuple[Any, ...] | None:
 
 
 @dataclasses.dataclass
-class _PlanCache:
-    """The last local plan and global plan a :class:`SavePlanner` made in this process, by layout."""
+class PlanCache:
+    """The last local plan and global plan a :class:`SavePlanner` made in this process, by layout,
+    and the stored keys of the last plan's items (:attr:`SavePlanner.plan_cache`)."""
 
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     local: tuple[tuple[Any, ...], bool, dict[str, Any], SavePlan] | None = None
     """(layout signature, is_coordinator, flattening mappings, the plan)."""
     global_: tuple[list[SavePlan], list[SavePlan], Metadata, bool] | None = None
     """(the local plans it was made from, the global plans, the metadata, ``balance``)."""
+    keys: tuple[list[WriteItem], list[str]] | None = None
+    """(a plan's item list, each item's stored key): the writer's keys, again for the same list."""
     hits: int = 0
+
+    def item_keys(self, items: list[WriteItem]) -> list[str]:
+        """Each write item's stored key; those of the last list again when ``items`` is that very
+        list (a plan reused from this cache: its items are frozen)."""
+        with self.lock:
+            last = self.keys
+        if last is not None and last[0] is items:
+            return last[1]
+        keys = [item_key(item.index, sharded=_is_shard(item)) for item in items]
+        with self.lock:
+            self.keys = (items, keys)
+        return keys
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -141,7 +157,8 @@ class SavePlanner(DefaultSavePlanner):
     the lowest rank holding it instead (``Config.balance_drain``: for measuring the balance).
     """
 
-    _cache = _PlanCache()
+    plan_cache: ClassVar[PlanCache] = PlanCache()
+    """The process's plans by layout (DCP makes a new planner per save; the cache outlives it)."""
 
     def __init__(self, *args: Any, balance: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -150,10 +167,10 @@ class SavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan, the one made last time when the layout is the same (keys, dtypes,
         shapes, flags): an unchanged state is not planned again, item by item."""
-        if self._enable_plan_caching or not self.flatten_state_dict:
+        if plan_caching(self) or not self.flatten_state_dict:
             return super().create_local_plan()
         signature = _layout_signature(self.state_dict)
-        cache = SavePlanner._cache
+        cache = SavePlanner.plan_cache
         with cache.lock:
             hit = cache.local
         if (
@@ -176,9 +193,9 @@ class SavePlanner(DefaultSavePlanner):
         """DCP's global plan and metadata, the ones made last time when every rank's local plan is
         the cached one (the same item lists and mappings; only one rank's plans are ever the same
         objects). The metadata object is then the same too: ``finish`` fills its storage data anew."""
-        if self._enable_plan_caching:
+        if plan_caching(self):
             return super().create_global_plan(all_plans)
-        cache = SavePlanner._cache
+        cache = SavePlanner.plan_cache
         with cache.lock:
             hit = cache.global_
         if hit is not None and hit[3] == self.balance and _same_plans(hit[0], all_plans):
@@ -232,24 +249,6 @@ def _same_plans(cached: list[SavePlan], plans: list[SavePlan]) -> bool:
         c.items is p.items and c.planner_data is p.planner_data and c.storage_data == p.storage_data
         for c, p in zip(cached, plans, strict=True)
     )
-
-
-_keys_lock = threading.Lock()
-_last_keys: tuple[list[WriteItem], list[str]] | None = None
-
-
-def _item_keys(items: list[WriteItem]) -> list[str]:
-    """Each write item's stored key; those of the last list again when ``items`` is that very list
-    (a plan :class:`SavePlanner` reused: its items are frozen)."""
-    global _last_keys
-    with _keys_lock:
-        last = _last_keys
-    if last is not None and last[0] is items:
-        return last[1]
-    keys = [item_key(item.index, sharded=_is_shard(item)) for item in items]
-    with _keys_lock:
-        _last_keys = (items, keys)
-    return keys
 
 
 class StorageWriter(_DcpStorageWriter):
@@ -320,7 +319,7 @@ class StorageWriter(_DcpStorageWriter):
     def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
         entries: list[StageEntry] = []
         results: list[WriteResult] = []
-        for item, key in zip(plan.items, _item_keys(plan.items), strict=True):
+        for item, key in zip(plan.items, SavePlanner.plan_cache.item_keys(plan.items), strict=True):
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 payload: Any = data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)

@@ -30,8 +30,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as torch_dcp
-from torch.distributed.checkpoint import _version as dcp_version
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -39,6 +37,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 
 from shoal import dcp as shoal_dcp
 from shoal._collector import collector_paused
+from shoal._torch_private import flatten_state_dict, reset_derived_version
 from shoal.errors import InvalidName, ShoalError, StateMismatch, UnsupportedValue
 
 __all__ = ["check_loadable", "check_state", "load_state", "quiet_dcp_logger", "save_state"]
@@ -165,7 +164,7 @@ class _LoadPlanner(DefaultLoadPlanner):
         try:
             # DCP's load flattens sharded tensors first, which merges two entries of one name
             # silently (one is never loaded): flattening the target as it is finds them.
-            flatten_state_dict(state_dict)
+            flatten_state_dict()(state_dict)
         except ValueError as e:
             named = _duplicate_name(e, self.where)
             if named is None:
@@ -181,8 +180,7 @@ class _LoadPlanner(DefaultLoadPlanner):
         except BaseException:
             # DCP's fallback to checkpoints before torch 2.4 sets this module-wide switch around a
             # flattening and leaves it set if that raises: every later flattening would be 2.3's.
-            if getattr(dcp_version, "_derived_version", None) is not None:
-                dcp_version._derived_version = None
+            reset_derived_version()
             raise
 
 

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 
+from shoal._torch_private import storage_info_class
 from shoal.cli.source import item_tensor, output_dir, read_in_batches, storage_keys, write_durably
 from shoal.errors import FormatError
 from shoal.format.manifest import ItemRecord, Manifest
@@ -85,7 +85,10 @@ def export_dcp(
         group.sort(key=lambda k: manifest.items[k].kind != "bytes")
     with output_dir(out_dir, [DCP_METADATA], overwrite=overwrite) as written:
         reader = ItemReader(tier, manifest)
-        infos: dict[str, _StorageInfo] = {}
+        storage_info = storage_info_class()
+        if storage_info is None:
+            raise FormatError(f"torch {torch.__version__} has no DCP storage-info class to export with")
+        infos: dict[str, Any] = {}
         for rank, group in sorted(by_rank.items()):
             name = f"__{rank}_0{DCP_SUFFIX}"
             written.append(out_dir / name)
@@ -97,7 +100,7 @@ def export_dcp(
                         f.write(data)
                     else:
                         torch.save(item_tensor(data, rec), f)
-                    infos[key] = _StorageInfo(name, offset, f.tell() - offset)
+                    infos[key] = storage_info(name, offset, f.tell() - offset)
                     advance(rec.nbytes)
                 f.flush()
                 os.fsync(f.fileno())

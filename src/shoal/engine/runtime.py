@@ -438,6 +438,7 @@ class Runtime:
             job.dcp = self._encoder.encode(metadata)
             if job.staged is not None:  # the checkpoint is restorable from DRAM alone from here on
                 job.staged.dcp = job.dcp
+                job.staged.dcp_json = self._encoder.json_of(job.dcp)
                 job.staged.write(self.dram)
         except BaseException as e:
             job.aborted = f"{type(e).__name__}: {e}"

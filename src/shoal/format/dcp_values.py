@@ -13,7 +13,6 @@ naming the path of the bad field.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from typing import Any, NoReturn, Protocol, TypeGuard, TypeVar, cast
 
 import torch
 
+from shoal._torch_private import storage_info_class
 from shoal.errors import FormatError, InvalidName
 from shoal.format.names import check_relpath
 
@@ -197,29 +197,6 @@ class _StorageInfoLike(Protocol):
     length: int
 
 
-@functools.cache
-def _storage_info_class() -> type[Any] | None:
-    """DCP's private ``torch.distributed.checkpoint.filesystem._StorageInfo``, or None if this torch lacks it.
-
-    The one place shoal names that private class. ``FileSystemReader`` itself only reads the fields
-    (``relative_path``, ``offset``, ``length``, ``transform_descriptors``), but the codec needs the
-    class itself both ways round: the encoder accepts exactly that type (anything else would need
-    pickle), and the decoder must rebuild an instance of it, so that decoded metadata equals the
-    original (dataclass equality compares classes) and pickles, as DCP's own ``.metadata`` file does,
-    to a class every torch reader has. torch has no public name for it. If a torch release drops it,
-    metadata holding no such entries (all of shoal's own) still encodes and decodes; an encoded
-    ``storage_info`` entry is then refused as a :class:`FormatError`.
-    """
-    try:
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-    except ImportError:
-        return None
-    if not dataclasses.is_dataclass(_StorageInfo):
-        return None
-    fields = {f.name for f in dataclasses.fields(_StorageInfo)}
-    return _StorageInfo if set(_STORAGE_INFO_FIELDS[:3]) <= fields else None
-
-
 # --- generic values ------------------------------------------------------------------------------
 
 
@@ -237,7 +214,7 @@ def _encode_storage_info(info: _StorageInfoLike, path: str, depth: int) -> dict[
 
 
 def _decode_storage_info(body: object, path: str, depth: int) -> Any:
-    cls = _storage_info_class()
+    cls = storage_info_class()
     if cls is None:
         fail(path, "this torch has no FileSystemWriter storage info (_StorageInfo) to rebuild the entry as")
     fields = exact_fields(body, f"{path}.storage_info", _STORAGE_INFO_FIELDS, (EXTRA,))
@@ -280,7 +257,7 @@ def encode_value(value: object, path: str, depth: int = 0) -> Any:
             for i, (k, v) in enumerate(items.items())
         ]
         return {"pairs": pairs}
-    if kind is _storage_info_class():
+    if kind is storage_info_class():
         return _encode_storage_info(cast(_StorageInfoLike, value), path, depth)
     fail(
         path,

@@ -11,6 +11,7 @@ must not be changed by its users (nothing in shoal changes one).
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,12 +33,26 @@ class _Last:
 
 
 class MetadataEncoder:
-    """``encode_metadata`` with the last document kept (thread-safe; one per process is enough)."""
+    """``encode_metadata`` with the last document kept, and its JSON (thread-safe; each
+    :class:`~shoal.engine.runtime.Runtime` has one)."""
 
     def __init__(self) -> None:
         self._last: _Last | None = None
+        self._json: tuple[Mapping[str, Any], str] | None = None
         self._lock = threading.Lock()
         self.reused = 0
+
+    def json_of(self, document: Mapping[str, Any]) -> str:
+        """``document`` as JSON; the last call's text again when it is the very same document (one
+        :meth:`encode` gave again: none is ever changed, so an ``is`` check is sound)."""
+        with self._lock:
+            last = self._json
+        if last is not None and last[0] is document:
+            return last[1]
+        text = json.dumps(document)
+        with self._lock:
+            self._json = (document, text)
+        return text
 
     def encode(self, metadata: Metadata) -> Mapping[str, Any]:
         with self._lock:
@@ -68,7 +83,4 @@ class MetadataEncoder:
         return document
 
 
-ENCODER = MetadataEncoder()
-"""The process's encoder (the runtime's ``attach_metadata`` uses it)."""
-
-__all__ = ["ENCODER", "MetadataEncoder"]
+__all__ = ["MetadataEncoder"]

@@ -48,11 +48,6 @@ CHUNKS_SUFFIX = ".chunks"
 SIDECAR_SUFFIXES = (DCP_SUFFIX, CHUNKS_SUFFIX)
 
 
-_dcp_lock = threading.Lock()
-_last_dcp: tuple[Mapping[str, Any] | None, str] | None = None
-"""The last DCP metadata document written to a sidecar and its JSON (kept: an ``is`` check is sound)."""
-
-
 def staged_path(slot_name: str) -> str:
     return f"{STAGED_DIR}/{slot_name}{INDEX_SUFFIX}"
 
@@ -92,6 +87,8 @@ class StagedIndex:
     """The checkpoint's DCP metadata (coordinator only)."""
     run: str | None = None
     """The run the slab belongs to (docs/design.md section 11): a restore uses only its own run's."""
+    dcp_json: str | None = field(default=None, repr=False, compare=False)
+    """:attr:`dcp` as JSON, when its writer has it already (the sidecar is then not encoded again)."""
     _written: set[str] = field(default_factory=set, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -124,17 +121,9 @@ class StagedIndex:
         return json.dumps(doc).encode()
 
     def encode_dcp(self) -> bytes:
-        """The DCP sidecar; the metadata's JSON is the last one's when it is the very same document
-        (:class:`~shoal.records.metacache.MetadataEncoder` gives one per layout; none is changed)."""
-        global _last_dcp
-        with _dcp_lock:
-            last = _last_dcp
-        if last is not None and last[0] is self.dcp:
-            body = last[1]
-        else:
-            body = json.dumps(self.dcp)
-            with _dcp_lock:
-                _last_dcp = (self.dcp, body)
+        """The DCP sidecar: :attr:`dcp` as :attr:`dcp_json` says it when given (the runtime's
+        :meth:`~shoal.records.metacache.MetadataEncoder.json_of`, one text per layout)."""
+        body = self.dcp_json if self.dcp_json is not None else json.dumps(self.dcp)
         head = json.dumps({"format": DCP_FORMAT, **self._bind()})
         return f'{head[:-1]}, "dcp": {body}}}'.encode()
 

@@ -16,9 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shoal._torch_private import foreach_copy, unflatten_dense_tensors
 from shoal.errors import InvalidName, UnsupportedValue
 from shoal.format.names import check_item_key
 from shoal.tiers.slabs import SlabLike, SlabStore
+
+_unflatten = unflatten_dense_tensors()
+_foreach_copy = foreach_copy()
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +134,10 @@ def _copy_run(buffer: memoryview, start: int, run: list[tuple[int, int, torch.Te
         templates.append(t)
         at = off + n
     flat = torch.frombuffer(buffer, dtype=dtype, count=(end - start) // size, offset=start)
-    views = torch._C._nn.unflatten_dense_tensors(flat, templates)
+    views = _unflatten(flat, templates)
     dsts = [v for v, t in zip(views, templates, strict=True) if t.device.type != "meta"]
     with torch.no_grad():
-        torch._foreach_copy_(dsts, [t for _, _, t in run])
+        _foreach_copy(dsts, [t for _, _, t in run])
     del flat, views, dsts
 
 
