@@ -46,7 +46,7 @@ from shoal.format.strict_json import load_json
 from shoal.records.staged import INDEX_SUFFIX, SIDECAR_SUFFIXES, STAGED_DIR, delete_staged
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
-from shoal.tiers.local import check_private, ensure_private_dirs, open_private
+from shoal.tiers.files import check_private, ensure_private_dirs, open_private
 from shoal.tiers.slabs import require_slabs
 
 log = logging.getLogger(__name__)

@@ -69,7 +69,7 @@ def as_byte_view(obj: Any) -> memoryview:
 class CommitStrategy(Protocol):
     """How a tier makes one file appear whole or not at all (chosen once per tier).
 
-    Implementations: :class:`shoal.tiers.local.AtomicRenameCommit` (temporary sibling,
+    Implementations: :class:`shoal.tiers.files.AtomicRenameCommit` (temporary sibling,
     fsync, rename, directory fsync) and :class:`shoal.tiers.shared.ObjectPutCommit`
     (one streamed PUT or multipart upload completed at close, aborted on error).
     """

@@ -28,7 +28,8 @@ import numpy as np
 from shoal.errors import InsufficientMemory, InvalidName, MissingFile, OwnershipError, ShoalError
 from shoal.format.names import check_identifier
 from shoal.tiers.base import TierCapabilities
-from shoal.tiers.local import PosixTier, check_private, ensure_private_dirs, open_private
+from shoal.tiers.files import check_private, ensure_private_dirs, open_private
+from shoal.tiers.local import PosixTier
 
 log = logging.getLogger(__name__)
 

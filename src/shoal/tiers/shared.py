@@ -3,7 +3,7 @@
 One class, two commit strategies chosen once from the URL's file system:
 
 * a local path or ``file://`` URL (a mounted parallel file system) commits with
-  :class:`~shoal.tiers.local.AtomicRenameCommit` (temporary sibling, fsync, rename,
+  :class:`~shoal.tiers.files.AtomicRenameCommit` (temporary sibling, fsync, rename,
   directory fsync); ``capabilities.atomic_rename`` is true;
 * anything else (``s3://``, ``gs://``, ...) commits with :class:`ObjectPutCommit`: one
   streamed upload that the object store makes visible only when it completes, and
@@ -28,7 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from shoal.errors import InvalidName, MissingFile, ShoalError, TierError
 from shoal.tiers.base import CommitStrategy, Data, FileInfo, Tier, TierCapabilities, iter_byte_views
-from shoal.tiers.local import (
+from shoal.tiers.files import (
     AtomicRenameCommit,
     check_prefix,
     check_tier_path,
