@@ -22,15 +22,14 @@ the temporary names and the fsyncs are the helpers of :mod:`shoal.tiers.files`.
 from __future__ import annotations
 
 import builtins
-import errno
+import functools
 import os
 import stat
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, suppress
 
 from shoal.errors import InvalidName, MissingFile, ShoalError, TierError
 from shoal.format.names import check_relpath
-from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities
+from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities, translate_errors
 from shoal.tiers.files import (
     MAX_IO,
     AtomicRenameCommit,
@@ -89,13 +88,13 @@ class PosixTier(Tier):
 
         Raises :class:`~shoal.errors.OwnershipError` naming the offending directory.
         """
-        with self._wrap("create", "."):
+        with self.translating("create", "."):
             ensure_private_dirs(self._base, self._root, durable=self.durable)
 
     def ensure_dir(self, rel: str) -> str:
         """Create the private directory ``rel`` below the root; return its absolute path."""
         target = os.path.join(self._root, check_relpath(rel))
-        with self._wrap("create", rel):
+        with self.translating("create", rel):
             ensure_private_dirs(self._base, target, durable=self.durable)
         return target
 
@@ -111,37 +110,28 @@ class PosixTier(Tier):
     def _where(self, path: str) -> str:
         return f"{path!r} in {self.kind} tier {self._root}"
 
-    def _error(self, action: str, path: str, err: OSError) -> ShoalError:
-        """The shoal error for an ``OSError`` raised while doing ``action`` on ``path``."""
-        return TierError(
-            f"could not {action} {self._where(path)}: [{errno.errorcode.get(err.errno or 0, err.errno)}] "
-            f"{err.strerror or err}" + (f" ({err.filename})" if err.filename else "")
-        )
+    def _classify_error(self, action: str, path: str, err: BaseException) -> ShoalError | None:
+        """A subclass's own error for ``err`` (raised doing ``action`` on ``path``), before it
+        becomes a :class:`TierError`; None here."""
+        return None
 
-    @contextmanager
-    def _wrap(self, action: str, path: str, *, missing: bool = False) -> Iterator[None]:
-        """Turn ``OSError`` into :class:`TierError` (or :class:`MissingFile` when ``missing``)."""
-        try:
-            yield
-        except ShoalError:
-            raise
-        except OSError as e:
-            if missing and e.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
-                what = "it is a directory" if e.errno == errno.EISDIR else "no such file"
-                raise MissingFile(f"cannot {action} {self._where(path)}: {what}") from e
-            raise self._error(action, path, e) from e
+    def translating(self, action: str, path: str, *, missing: bool = False) -> AbstractContextManager[None]:
+        """Where this tier's ``OSError`` s become shoal's: :func:`~shoal.tiers.base.translate_errors`
+        for ``action`` on ``path`` (:class:`TierError`, or :class:`MissingFile` when ``missing``)."""
+        classify = functools.partial(self._classify_error, action, path)
+        return translate_errors(action, self._where(path), missing=missing, classify=classify)
 
     # -- the Tier interface -----------------------------------------------------------------
 
     def write(self, path: str, data: Data) -> int:
         """Atomically write ``data`` to ``path`` (rename + fsync, see :class:`AtomicRenameCommit`)."""
         target = self._abs(path)
-        with self._wrap("write", path):
+        with self.translating("write", path):
             return self._commit.write(target, data)
 
     def read(self, path: str) -> bytes:
         target = self._abs(path)
-        with self._wrap("read", path, missing=True):
+        with self.translating("read", path, missing=True):
             fd = open_private(target, os.O_RDONLY)
             try:
                 size = os.fstat(fd).st_size
@@ -152,7 +142,7 @@ class PosixTier(Tier):
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         _check_range(offset, length)
         target = self._abs(path)
-        with self._wrap("read", path, missing=True):
+        with self.translating("read", path, missing=True):
             fd = open_private(target, os.O_RDONLY)
             try:
                 return self._pread(fd, path, offset, length, exact=True)
@@ -184,7 +174,7 @@ class PosixTier(Tier):
         view = writable_byte_view(out)
         _check_range(offset, view.nbytes)
         target = self._abs(path)
-        with self._wrap("read", path, missing=True):
+        with self.translating("read", path, missing=True):
             fd = open_private(target, os.O_RDONLY)
             try:
                 got = 0
@@ -205,7 +195,7 @@ class PosixTier(Tier):
 
     def info(self, path: str) -> FileInfo:
         target = self._abs(path)
-        with self._wrap("stat", path, missing=True):
+        with self.translating("stat", path, missing=True):
             st = os.lstat(target)
         if stat.S_ISLNK(st.st_mode):
             check_private(target, st, directory=False)
@@ -255,13 +245,13 @@ class PosixTier(Tier):
         parts = base.split("/") if base else []
         if not all(self._listed("/".join(parts[: i + 1])) for i in range(len(parts))):
             return found
-        with self._wrap("list", prefix or "."):
+        with self.translating("list", prefix or "."):
             self._walk(base, found, sizes)
         return sorted(p for p in found if p.startswith(prefix))
 
     def delete(self, path: str) -> None:
         target = self._abs(path)
-        with self._wrap("delete", path), suppress(FileNotFoundError):
+        with self.translating("delete", path), suppress(FileNotFoundError):
             os.unlink(target)
 
     def remove_empty_dirs(self, prefix: str) -> None:
@@ -270,7 +260,7 @@ class PosixTier(Tier):
         Retention calls it after deleting a step's files. A directory that is not empty
         stays; symbolic links are never followed or removed.
         """
-        with self._wrap("remove empty directories under", prefix):
+        with self.translating("remove empty directories under", prefix):
             remove_empty_dirs_below(self._abs(prefix.rstrip("/")))
 
 
