@@ -45,8 +45,8 @@ from shoal.format.names import check_identifier
 from shoal.format.strict_json import load_json
 from shoal.records.staged import INDEX_SUFFIX, SIDECAR_SUFFIXES, STAGED_DIR, delete_staged
 from shoal.tiers.base import Tier
-from shoal.tiers.dram import DramTier
 from shoal.tiers.files import check_private, ensure_private_dirs, open_private
+from shoal.tiers.roles import Role, open_host_role
 from shoal.tiers.slabs import require_slabs
 
 log = logging.getLogger(__name__)
@@ -410,7 +410,7 @@ def staged_leftovers(root: str, job: str) -> list[HostLeftovers]:
         for hr in list_host_runs(root, job, host):
             if hr.problem is not None and hr.record is None and not os.path.isdir(hr.path):
                 continue
-            tier = DramTier(hr.path, base=root)
+            tier = open_host_role(Role.STAGING, hr.path, base=root)
             found = tuple(find_leftovers(tier))
             ranks = sorted({left.rank for left in found if left.rank is not None})
             live = {r: h for r in ranks if (h := lock_holder(root, job, host, r)) is not None}
