@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from shoal.errors import InvalidName, MissingFile, TierError
-from shoal.tiers.local import AtomicRenameCommit, PosixTier, is_temp_name, temp_sibling
+from shoal.tiers.files import AtomicRenameCommit, is_temp_name, temp_sibling
+from shoal.tiers.local import PosixTier
 
 
 def test_root_is_not_created_until_the_first_write(tmp_path: Path) -> None:

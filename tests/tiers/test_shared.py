@@ -11,7 +11,7 @@ import pytest
 
 from shoal.errors import MissingFile, TierError
 from shoal.testing.s3 import S3Admin
-from shoal.tiers.local import AtomicRenameCommit
+from shoal.tiers.files import AtomicRenameCommit
 from shoal.tiers.shared import FsspecTier, ObjectPutCommit
 
 MiB = 1 << 20

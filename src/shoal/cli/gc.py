@@ -104,7 +104,7 @@ def run_staged(args: argparse.Namespace) -> int:
     """``shoal gc --staged``: list (and with ``--drop``, drop) what crashed processes left staged in DRAM."""
     # the DRAM tier imports numpy: only for --staged, so that the parser builds fast
     from shoal.records.hoststate import HostLock, drop_leftover, staged_leftovers
-    from shoal.tiers.dram import DramTier
+    from shoal.tiers.roles import Role, open_host_role
 
     root = args.dram or default_dram_root()
     job = args.job or DEFAULT_JOB
@@ -143,7 +143,7 @@ def run_staged(args: argparse.Namespace) -> int:
                 err.print(f"warning: kept {line}: {e}")
                 continue
             try:
-                drop_leftover(DramTier(entry.run.path, base=root), left)
+                drop_leftover(open_host_role(Role.STAGING, entry.run.path, base=root), left)
             finally:
                 lock.release()
             dropped += 1

@@ -71,9 +71,7 @@ from shoal.records.staged import StagedIndex, delete_staged
 from shoal.records.stager import Slot, SlotRing, StageEntry, stage_into
 from shoal.records.store import newest_reached, read_pointer, resolve_manifest
 from shoal.tiers.base import Tier
-from shoal.tiers.dram import DramTier
-from shoal.tiers.local import PosixTier
-from shoal.tiers.roles import Role, check_role_kind, open_role
+from shoal.tiers.roles import Role, check_role_kind, open_host_role, open_role
 from shoal.tiers.roots import check_shared_root
 
 log = logging.getLogger(__name__)
@@ -132,8 +130,10 @@ class Runtime:
         # domains); whether a checkpoint makes them is the path policy's choice, checkpoint by
         # checkpoint. Host tiers for them are open wherever they are possible.
         replicate = bool(self.topology.partners)
-        self.dram = DramTier(run_dir(cfg.dram, cfg.job, self.host, run), base=cfg.dram)
-        self.local = local = PosixTier(run_dir(cfg.local, cfg.job, self.host, run), base=cfg.local)
+        self.dram = open_host_role(Role.STAGING, run_dir(cfg.dram, cfg.job, self.host, run), base=cfg.dram)
+        self.local = local = open_host_role(
+            Role.HOST_COPY, run_dir(cfg.local, cfg.job, self.host, run), base=cfg.local
+        )
         """This run's local-disk tier on this host (partner copies, the event log)."""
         record = RunRecord(run, cfg.shared_url(), cfg.job, time.time())
         for root, tier in ((cfg.dram, self.dram), (cfg.local, local)):

@@ -27,7 +27,7 @@ import weakref
 from contextlib import suppress
 
 from shoal.errors import TierError
-from shoal.tiers.local import PRIVATE_FILE_MODE, ensure_private_dirs, open_private
+from shoal.tiers.files import PRIVATE_FILE_MODE, ensure_private_dirs, open_private
 
 OWNERS_DIR = "owners"
 _TOKEN = re.compile(r"[0-9a-f]{16}")

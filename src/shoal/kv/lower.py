@@ -34,7 +34,8 @@ from shoal.kv.pool import (
     scandir_or_empty,
 )
 from shoal.tiers.base import Tier
-from shoal.tiers.local import PosixTier, fsync_dir, is_temp_name, open_private, write_all
+from shoal.tiers.files import fsync_dir, is_temp_name, open_private, write_all
+from shoal.tiers.local import PosixTier
 from shoal.tiers.shared import FsspecTier
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from shoal.errors import FormatError, ShoalError, TierError
 from shoal.kv._index import WRITING, BlockIndex
 from shoal.kv._owners import OwnerLock, temp_name, temp_owner
 from shoal.kv.blockfile import HEADER_SIZE, BlockHeader, check_block, parse_header, verify_payload
-from shoal.tiers.local import (
+from shoal.tiers.files import (
     check_private,
     ensure_private_dirs,
     is_temp_name,

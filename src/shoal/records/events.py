@@ -28,7 +28,7 @@ from typing import IO, Any
 
 from shoal.errors import ShoalError
 from shoal.model.writers import WriterSample
-from shoal.tiers.local import open_private
+from shoal.tiers.files import open_private
 
 log = logging.getLogger(__name__)
 

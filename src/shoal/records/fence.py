@@ -30,9 +30,10 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from shoal.errors import FormatError, MissingFile, ShoalError, WriterFenced
+from shoal.errors import FormatError, ShoalError, WriterFenced
 from shoal.format import layout
 from shoal.format.strict_json import load_json
+from shoal.records.small import read_record
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -127,11 +128,7 @@ def decode_writer(data: bytes, where: str) -> WriterClaim:
 
 def read_writer(shared: Tier) -> WriterClaim | None:
     """The job's ``WRITER`` record, or None if there is none; FormatError if it is malformed."""
-    try:
-        data = shared.read_small(layout.WRITER, layout.MAX_POINTER_BYTES, "writer record")
-    except MissingFile:
-        return None
-    return decode_writer(data, f"{shared.url}/{layout.WRITER}")
+    return read_record(shared, layout.WRITER, decode_writer, what="writer record")
 
 
 class WriterFence:

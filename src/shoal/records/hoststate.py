@@ -43,10 +43,11 @@ from shoal.errors import FormatError, MissingFile, OwnershipError, ShoalError
 from shoal.format import layout
 from shoal.format.names import check_identifier
 from shoal.format.strict_json import load_json
+from shoal.records.small import read_record
 from shoal.records.staged import INDEX_SUFFIX, SIDECAR_SUFFIXES, STAGED_DIR, delete_staged
 from shoal.tiers.base import Tier
-from shoal.tiers.dram import DramTier
-from shoal.tiers.local import check_private, ensure_private_dirs, open_private
+from shoal.tiers.files import check_private, ensure_private_dirs, open_private
+from shoal.tiers.roles import Role, open_host_role
 from shoal.tiers.slabs import require_slabs
 
 log = logging.getLogger(__name__)
@@ -95,11 +96,7 @@ def decode_run(data: bytes, where: str) -> RunRecord:
 
 def read_shared_run(shared: Tier) -> RunRecord | None:
     """The run record on the shared tier, or None if there is none yet."""
-    try:
-        data = shared.read_small(layout.RUN, layout.MAX_POINTER_BYTES, "run record")
-    except MissingFile:
-        return None
-    return decode_run(data, f"{shared.url}/{layout.RUN}")
+    return read_record(shared, layout.RUN, decode_run, what="run record")
 
 
 def claim_shared_run(shared: Tier, shared_url: str, job: str) -> RunRecord:
@@ -410,7 +407,7 @@ def staged_leftovers(root: str, job: str) -> list[HostLeftovers]:
         for hr in list_host_runs(root, job, host):
             if hr.problem is not None and hr.record is None and not os.path.isdir(hr.path):
                 continue
-            tier = DramTier(hr.path, base=root)
+            tier = open_host_role(Role.STAGING, hr.path, base=root)
             found = tuple(find_leftovers(tier))
             ranks = sorted({left.rank for left in found if left.rank is not None})
             live = {r: h for r in ranks if (h := lock_holder(root, job, host, r)) is not None}

@@ -13,6 +13,7 @@ from shoal.format import layout
 from shoal.format.chunking import verify
 from shoal.format.manifest import ItemRecord, Manifest, Pointer, decode_manifest, decode_pointer
 from shoal.records.fetch import DEFAULT_MAX_RUN, ChunkRequest, ChunkSource, Failure, Fetcher, SourceFile
+from shoal.records.small import read_record
 from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -36,12 +37,8 @@ def read_pointer(tier: Tier, path: str) -> Pointer | None:
     A record larger than :data:`~shoal.format.layout.MAX_POINTER_BYTES` is a
     :class:`FormatError` and is never read whole.
     """
-    try:
-        what = "LATEST record" if path == layout.LATEST else "commit record"
-        data = tier.read_small(path, layout.MAX_POINTER_BYTES, what)
-    except MissingFile:
-        return None
-    return decode_pointer(data, f"{tier.url}/{path}")
+    what = "LATEST record" if path == layout.LATEST else "commit record"
+    return read_record(tier, path, decode_pointer, what=what)
 
 
 def read_manifest(tier: Tier, step: int, *, expect_digest: str | None = None) -> Manifest:

@@ -4,7 +4,8 @@
   is opened (so ``s3fs`` and friends load only for tiers that use them);
   :func:`register_tier` adds a third party's kind.
 * :mod:`shoal.tiers.roles`: what a tier is used for (staging, host copy, shared) and which
-  kind plays each role; :func:`open_role`.
+  kind plays each role; :func:`open_role` (:func:`open_host_role` for a host tier at a local
+  directory).
 * :mod:`shoal.tiers.slabs`: the slab capability (:class:`SlabStore`, :class:`SlabLike`),
   checked with ``isinstance``.
 
@@ -26,7 +27,16 @@ from shoal.tiers.registry import (
     tier_class,
     unregister_tier,
 )
-from shoal.tiers.roles import HOST_COPY, ROLE_KINDS, SHARED, STAGING, Role, kind_for, open_role
+from shoal.tiers.roles import (
+    HOST_COPY,
+    ROLE_KINDS,
+    SHARED,
+    STAGING,
+    Role,
+    kind_for,
+    open_host_role,
+    open_role,
+)
 from shoal.tiers.slabs import SlabLike, SlabStore
 
 __all__ = [
@@ -45,6 +55,7 @@ __all__ = [
     "TierCapabilities",
     "check_tier_class",
     "kind_for",
+    "open_host_role",
     "open_role",
     "open_tier",
     "read_preference",

@@ -25,11 +25,13 @@ Contract shared by every implementation (checked by
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import errno
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from shoal.errors import ConfigError, FormatError, MissingFile
+from shoal.errors import ConfigError, FormatError, MissingFile, ShoalError, TierError
 
 BytesLike = bytes | bytearray | memoryview
 Data = BytesLike | Iterable[BytesLike]
@@ -69,7 +71,7 @@ def as_byte_view(obj: Any) -> memoryview:
 class CommitStrategy(Protocol):
     """How a tier makes one file appear whole or not at all (chosen once per tier).
 
-    Implementations: :class:`shoal.tiers.local.AtomicRenameCommit` (temporary sibling,
+    Implementations: :class:`shoal.tiers.files.AtomicRenameCommit` (temporary sibling,
     fsync, rename, directory fsync) and :class:`shoal.tiers.shared.ObjectPutCommit`
     (one streamed PUT or multipart upload completed at close, aborted on error).
     """
@@ -86,6 +88,62 @@ class CommitStrategy(Protocol):
         and the exception propagates unchanged (``OSError`` s are wrapped by the tier).
         """
         ...
+
+
+_MISSING_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
+_MISSING_TYPES = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+
+
+def describe_os_error(err: BaseException) -> str:
+    """``[ENOSPC] No space left on device (/the/file)``: an ``OSError``'s errno name, message and file."""
+    if not isinstance(err, OSError):
+        return f"{type(err).__name__}: {err}"
+    return f"[{errno.errorcode.get(err.errno or 0, err.errno)}] {err.strerror or err}" + (
+        f" ({err.filename})" if err.filename else ""
+    )
+
+
+@contextmanager
+def translate_errors(
+    action: str,
+    where: str,
+    *,
+    missing: bool = False,
+    catch: tuple[type[BaseException], ...] = (OSError,),
+    describe: Callable[[BaseException], str] = describe_os_error,
+    classify: Callable[[BaseException], ShoalError | None] | None = None,
+) -> Iterator[None]:
+    """Turn a backend error raised while doing ``action`` on ``where`` into shoal's.
+
+    ``where`` names the file for messages (``"'a/b' in local tier /root"``). Shoal's own errors
+    pass unchanged; an exception of ``catch`` (``OSError`` by default) becomes:
+
+    * with ``missing``, for a missing file, a missing directory on the way or a directory in the
+      file's place (``ENOENT``/``ENOTDIR``/``EISDIR`` or their ``OSError`` subclasses),
+      :class:`~shoal.errors.MissingFile`: ``cannot <action> <where>: no such file`` (``it is a
+      directory``);
+    * what ``classify`` returns for it, when that is not None (the dram tier's full tmpfs);
+    * else :class:`~shoal.errors.TierError`: ``could not <action> <where>: <describe(err)>``.
+
+    The original exception is chained (``from``) to the one raised.
+    """
+    try:
+        yield
+    except ShoalError:
+        raise
+    except catch as e:
+        if (
+            missing
+            and isinstance(e, OSError)
+            and (isinstance(e, _MISSING_TYPES) or e.errno in _MISSING_ERRNOS)
+        ):
+            directory = isinstance(e, IsADirectoryError) or e.errno == errno.EISDIR
+            what = "it is a directory" if directory else "no such file"
+            raise MissingFile(f"cannot {action} {where}: {what}") from e
+        special = classify(e) if classify is not None else None
+        if special is not None:
+            raise special from e
+        raise TierError(f"could not {action} {where}: {describe(e)}") from e
 
 
 AUTO = -1

@@ -28,7 +28,8 @@ import numpy as np
 from shoal.errors import InsufficientMemory, InvalidName, MissingFile, OwnershipError, ShoalError
 from shoal.format.names import check_identifier
 from shoal.tiers.base import TierCapabilities
-from shoal.tiers.local import PosixTier, check_private, ensure_private_dirs, open_private
+from shoal.tiers.files import check_private, ensure_private_dirs, open_private
+from shoal.tiers.local import PosixTier
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class Slab:
             raise ValueError(f"slab size must be >= 0, got {nbytes}")
         if self._mmap is not None and nbytes <= self.capacity:
             return
-        with self.tier._wrap("map slab", f"{SLABS_DIR}/{self.name}.slab"):
+        with self.tier.translating("map slab", f"{SLABS_DIR}/{self.name}.slab"):
             new, capacity = self._map(_round_up(max(nbytes, self.capacity)))
         self._drop_mapping()
         self._mmap = new
@@ -210,12 +211,13 @@ class DramTier(PosixTier):
     def _listed(self, rel: str) -> bool:
         return rel != SLABS_DIR
 
-    def _error(self, action: str, path: str, err: OSError) -> ShoalError:
-        if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+    def _classify_error(self, action: str, path: str, err: BaseException) -> ShoalError | None:
+        """A full tmpfs: :class:`~shoal.errors.InsufficientMemory` (with the bytes free), not TierError."""
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
             vfs = os.statvfs(self.root) if os.path.isdir(self.root) else None
             free = vfs.f_bavail * vfs.f_frsize if vfs else 0
             return self.no_space(f"{action} of {path!r}", None, free)
-        return super()._error(action, path, err)
+        return None
 
     def no_space(self, what: str, needed: int | None, free: int) -> InsufficientMemory:
         """The error for running out of tmpfs space while doing ``what``."""
@@ -241,7 +243,7 @@ class DramTier(PosixTier):
         new is left behind then.
         """
         path = self.slab_path(name)
-        with self._wrap("create slab in", SLABS_DIR):
+        with self.translating("create slab in", SLABS_DIR):
             ensure_private_dirs(self.base, os.path.dirname(path), durable=False)
         existed = os.path.lexists(path)
         slab = Slab(self, name, path, exclusive=exclusive)
@@ -260,7 +262,7 @@ class DramTier(PosixTier):
         """Fill ``out`` from slab ``name`` at ``offset`` (what a restarted process reads back)."""
         path = self.slab_path(name)
         view = memoryview(out).cast("B")
-        with self._wrap("read slab", name, missing=True):
+        with self.translating("read slab", name, missing=True):
             fd = open_private(path, os.O_RDONLY)
             try:
                 got = 0
@@ -282,7 +284,7 @@ class DramTier(PosixTier):
         entry is not a slab (and is never followed).
         """
         found: dict[str, int] = {}
-        with self._wrap("list slabs in", SLABS_DIR):
+        with self.translating("list slabs in", SLABS_DIR):
             try:
                 entries = list(os.scandir(os.path.join(self.root, SLABS_DIR)))
             except (FileNotFoundError, NotADirectoryError):
@@ -301,7 +303,7 @@ class DramTier(PosixTier):
 
     def delete_slab(self, name: str) -> None:
         """Remove the slab file ``name`` (mappings still open keep their memory until closed)."""
-        with self._wrap("delete slab", name), contextlib.suppress(FileNotFoundError):
+        with self.translating("delete slab", name), contextlib.suppress(FileNotFoundError):
             os.unlink(self.slab_path(name))
 
     def close(self) -> None:

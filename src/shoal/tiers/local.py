@@ -2,7 +2,7 @@
 
 Every write goes to a temporary sibling ``.<name>.tmp-<random>`` in the target's
 directory, is fsync'd, renamed over the target with :func:`os.replace`, and the
-directory is fsync'd (:class:`AtomicRenameCommit`). Readers therefore see the old
+directory is fsync'd (:class:`~shoal.tiers.files.AtomicRenameCommit`). Readers therefore see the old
 file or the whole new one, and the new one survives a crash once ``write`` returns.
 Temporary files are never listed, and names that look like them are refused.
 
@@ -15,260 +15,32 @@ configured root, e.g. ``/dev/shm/shoal-<uid>``) to the tier root that already ex
 must be a real directory (not a symlink), owned by this user and writable by nobody
 else, or it is refused with :class:`~shoal.errors.OwnershipError` naming its path,
 owner and mode. Files are opened with ``O_NOFOLLOW`` and read only when this user owns
-them, so a symlink or a file planted by someone else is never followed or read.
+them, so a symlink or a file planted by someone else is never followed or read. Those checks,
+the temporary names and the fsyncs are the helpers of :mod:`shoal.tiers.files`.
 """
 
 from __future__ import annotations
 
 import builtins
-import errno
+import functools
 import os
-import pwd
-import re
-import secrets
 import stat
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, suppress
 
-from shoal import failpoints
-from shoal.errors import InvalidName, MissingFile, OwnershipError, ShoalError, TierError
+from shoal.errors import InvalidName, MissingFile, ShoalError, TierError
 from shoal.format.names import check_relpath
-from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities, iter_byte_views
-
-_TEMP_NAME = re.compile(r"\..+\.tmp-[0-9a-f]{16}")
-_MAX_IO = 1 << 30
-"""Largest single read/write request; Linux caps one syscall near 2 GiB anyway."""
-
-
-def is_temp_name(name: str) -> bool:
-    """Whether ``name`` (one path segment) is the temporary file of a write in progress."""
-    return _TEMP_NAME.fullmatch(name) is not None
-
-
-def check_tier_path(path: str) -> str:
-    """``check_relpath`` plus: never the name of a write in progress. Returns ``path``."""
-    check_relpath(path)
-    if is_temp_name(path.rsplit("/", 1)[-1]):
-        raise InvalidName(f"tier path {path!r} looks like the temporary file of a write in progress")
-    return path
-
-
-def temp_sibling(target: str) -> str:
-    """A fresh temporary path next to ``target`` (same directory, so the rename is atomic)."""
-    directory, name = os.path.split(target)
-    return os.path.join(directory, f".{name}.tmp-{secrets.token_hex(8)}")
-
-
-def write_all(fd: int, data: Data, *, failpoint: str | None = None) -> int:
-    """Write every part of ``data`` to ``fd`` with ``os.write`` (retrying partial writes); return bytes.
-
-    ``failpoint``: a failpoint hit after the first buffer is written (a disk filling up mid-file).
-    """
-    total = 0
-    for i, view in enumerate(iter_byte_views(data)):
-        while view.nbytes:
-            n = os.write(fd, view[:_MAX_IO])
-            if n <= 0:  # pragma: no cover - os.write raises instead on Linux
-                raise OSError(errno.EIO, "os.write wrote nothing")
-            view = view[n:]
-            total += n
-        if i == 0 and failpoint is not None:
-            failpoints.hit(failpoint, rank=failpoints.process_rank())
-    return total
-
-
-PRIVATE_DIR_MODE = 0o700
-PRIVATE_FILE_MODE = 0o600
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def describe_owner(st: os.stat_result) -> str:
-    """``"alice (uid 1000), mode 0755"`` for messages."""
-    try:
-        name = pwd.getpwuid(st.st_uid).pw_name
-    except KeyError:
-        name = "?"
-    return f"{name} (uid {st.st_uid}), mode {stat.S_IMODE(st.st_mode):04o}"
-
-
-def check_private(path: str, st: os.stat_result, *, directory: bool) -> None:
-    """Refuse ``path`` (already ``lstat``-ed into ``st``) unless it is ours and nobody else may write it.
-
-    Raises :class:`~shoal.errors.OwnershipError` naming path, owner and mode for a symlink,
-    the wrong kind of file, another owner, or group/world write permission.
-    """
-    uid = os.geteuid()
-    kind = "directory" if directory else "file"
-    problem = None
-    if stat.S_ISLNK(st.st_mode):
-        problem = f"is a symbolic link; shoal never follows links in its host tiers (expected a {kind})"
-    elif directory and not stat.S_ISDIR(st.st_mode):
-        problem = "is not a directory"
-    elif not directory and not stat.S_ISREG(st.st_mode):
-        problem = "is not a regular file"
-    elif st.st_uid != uid:
-        problem = f"belongs to another user, not to uid {uid} who runs shoal"
-    elif st.st_mode & 0o022:
-        problem = "is writable by other users"
-    if problem is not None:
-        raise OwnershipError(
-            f"host-tier {kind} {path} {problem} (owner {describe_owner(st)}); shoal keeps its host tiers "
-            f"private: point Config.dram / Config.local at a directory of your own that does not exist "
-            f"yet (shoal creates it 0700), or have this one removed if nothing else needs it"
-        )
-
-
-def ensure_private_dirs(base: str, directory: str, *, durable: bool) -> None:
-    """Create ``directory`` 0700 (and every missing level from ``base`` down), checking each level.
-
-    ``base`` is the trusted base: it and every level below it down to ``directory`` must be
-    real directories owned by this user and writable by no one else
-    (:func:`check_private`); levels above ``base`` (``/dev/shm``, ``/tmp``) are created if
-    missing but not checked. With ``durable`` the parent of each new level is fsync'd.
-    """
-    base = os.path.abspath(base)
-    directory = os.path.abspath(directory)
-    if directory != base and not directory.startswith(base.rstrip("/") + "/"):
-        raise InvalidName(f"host-tier directory {directory} is not below its root {base}")
-    parent = os.path.dirname(base)
-    if not os.path.isdir(parent):
-        makedirs_durable(parent, durable=durable)
-    levels = [base]
-    rest = directory[len(base) :].strip("/")
-    for part in rest.split("/") if rest else []:
-        levels.append(os.path.join(levels[-1], part))
-    for level in levels:
-        try:
-            os.mkdir(level, PRIVATE_DIR_MODE)
-        except FileExistsError:
-            check_private(level, os.lstat(level), directory=True)
-            continue
-        os.chmod(level, PRIVATE_DIR_MODE)  # mkdir's mode is masked by the umask
-        if durable:
-            fsync_dir(os.path.dirname(level))
-
-
-def open_private(path: str, flags: int) -> int:
-    """``os.open`` without following a symlink; the file must be ours and not writable by others.
-
-    Raises :class:`~shoal.errors.OwnershipError` (and closes the descriptor) otherwise.
-    ``FileNotFoundError`` propagates for a missing file.
-    """
-    return open_private_stat(path, flags)[0]
-
-
-def open_private_stat(path: str, flags: int) -> tuple[int, os.stat_result]:
-    """:func:`open_private`, and the ``fstat`` it checked (a reader that needs the size has it)."""
-    try:
-        fd = os.open(path, flags | _NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE_MODE)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            check_private(path, os.lstat(path), directory=False)
-        raise
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
-        check_private(path, st, directory=False)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
-
-
-def fsync_dir(directory: str) -> None:
-    """fsync ``directory`` so that a rename or creation inside it is durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def makedirs_durable(directory: str, *, durable: bool) -> None:
-    """Create ``directory`` and missing parents; with ``durable``, fsync each new entry's parent."""
-    missing = []
-    current = directory
-    while not os.path.isdir(current):
-        missing.append(current)
-        parent = os.path.dirname(current)
-        if parent == current:
-            break
-        current = parent
-    for path in reversed(missing):
-        try:
-            os.mkdir(path)
-        except FileExistsError:
-            if not os.path.isdir(path):
-                raise
-            continue
-        if durable:
-            fsync_dir(os.path.dirname(path))
-
-
-class AtomicRenameCommit:
-    """Commit by temporary sibling, fsync, :func:`os.replace`, directory fsync (POSIX).
-
-    ``durable=False`` skips both fsyncs (for tiers that do not survive a reboot anyway,
-    like ``dram``); the rename still makes the write atomic for readers.
-    """
-
-    atomic_rename = True
-
-    def __init__(
-        self,
-        *,
-        durable: bool = True,
-        failpoint: str | None = None,
-        private_base: str | None = None,
-    ) -> None:
-        self.durable = durable
-        self.failpoint = failpoint
-        self.private_base = private_base
-        """With a base, directories are made private below it and files are created 0600
-        (host tiers); without one, the umask decides (the shared tier: users share it on purpose)."""
-
-    def write(self, target: str, data: Data) -> int:
-        """Write ``data`` to the absolute path ``target`` atomically; return the bytes written.
-
-        Missing parent directories are created. On any exception (including one raised
-        by ``data`` while it is consumed) the temporary file is removed, ``target`` keeps
-        its earlier content, and the exception propagates unchanged.
-        """
-        directory = os.path.dirname(target)
-        if self.private_base is not None:
-            ensure_private_dirs(self.private_base, directory, durable=self.durable)
-            mode = PRIVATE_FILE_MODE
-        else:
-            makedirs_durable(directory, durable=self.durable)
-            mode = 0o666  # the umask decides
-        tmp = temp_sibling(target)
-        # O_EXCL | O_NOFOLLOW: never write through a name someone else prepared; the rename
-        # below replaces whatever is at ``target`` (a planted symlink too) without following it.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | os.O_CLOEXEC, mode)
-        try:
-            try:
-                total = write_all(fd, data, failpoint=self.failpoint)
-                if self.durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, target)
-        except BaseException:
-            with suppress(OSError):
-                os.unlink(tmp)
-            raise
-        if self.durable:
-            fsync_dir(directory)
-        return total
-
-
-def check_prefix(prefix: str) -> str:
-    """Validate a ``list`` prefix: ``""`` or a relative path, optionally ending in ``/``."""
-    if prefix == "":
-        return prefix
-    check_relpath(prefix[:-1] if prefix.endswith("/") else prefix)
-    return prefix
+from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities, translate_errors
+from shoal.tiers.files import (
+    MAX_IO,
+    AtomicRenameCommit,
+    check_prefix,
+    check_private,
+    check_tier_path,
+    ensure_private_dirs,
+    is_temp_name,
+    open_private,
+    remove_empty_dirs_below,
+)
 
 
 class PosixTier(Tier):
@@ -316,13 +88,13 @@ class PosixTier(Tier):
 
         Raises :class:`~shoal.errors.OwnershipError` naming the offending directory.
         """
-        with self._wrap("create", "."):
+        with self.translating("create", "."):
             ensure_private_dirs(self._base, self._root, durable=self.durable)
 
     def ensure_dir(self, rel: str) -> str:
         """Create the private directory ``rel`` below the root; return its absolute path."""
         target = os.path.join(self._root, check_relpath(rel))
-        with self._wrap("create", rel):
+        with self.translating("create", rel):
             ensure_private_dirs(self._base, target, durable=self.durable)
         return target
 
@@ -338,37 +110,28 @@ class PosixTier(Tier):
     def _where(self, path: str) -> str:
         return f"{path!r} in {self.kind} tier {self._root}"
 
-    def _error(self, action: str, path: str, err: OSError) -> ShoalError:
-        """The shoal error for an ``OSError`` raised while doing ``action`` on ``path``."""
-        return TierError(
-            f"could not {action} {self._where(path)}: [{errno.errorcode.get(err.errno or 0, err.errno)}] "
-            f"{err.strerror or err}" + (f" ({err.filename})" if err.filename else "")
-        )
+    def _classify_error(self, action: str, path: str, err: BaseException) -> ShoalError | None:
+        """A subclass's own error for ``err`` (raised doing ``action`` on ``path``), before it
+        becomes a :class:`TierError`; None here."""
+        return None
 
-    @contextmanager
-    def _wrap(self, action: str, path: str, *, missing: bool = False) -> Iterator[None]:
-        """Turn ``OSError`` into :class:`TierError` (or :class:`MissingFile` when ``missing``)."""
-        try:
-            yield
-        except ShoalError:
-            raise
-        except OSError as e:
-            if missing and e.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
-                what = "it is a directory" if e.errno == errno.EISDIR else "no such file"
-                raise MissingFile(f"cannot {action} {self._where(path)}: {what}") from e
-            raise self._error(action, path, e) from e
+    def translating(self, action: str, path: str, *, missing: bool = False) -> AbstractContextManager[None]:
+        """Where this tier's ``OSError`` s become shoal's: :func:`~shoal.tiers.base.translate_errors`
+        for ``action`` on ``path`` (:class:`TierError`, or :class:`MissingFile` when ``missing``)."""
+        classify = functools.partial(self._classify_error, action, path)
+        return translate_errors(action, self._where(path), missing=missing, classify=classify)
 
     # -- the Tier interface -----------------------------------------------------------------
 
     def write(self, path: str, data: Data) -> int:
         """Atomically write ``data`` to ``path`` (rename + fsync, see :class:`AtomicRenameCommit`)."""
         target = self._abs(path)
-        with self._wrap("write", path):
+        with self.translating("write", path):
             return self._commit.write(target, data)
 
     def read(self, path: str) -> bytes:
         target = self._abs(path)
-        with self._wrap("read", path, missing=True):
+        with self.translating("read", path, missing=True):
             fd = open_private(target, os.O_RDONLY)
             try:
                 size = os.fstat(fd).st_size
@@ -379,7 +142,7 @@ class PosixTier(Tier):
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         _check_range(offset, length)
         target = self._abs(path)
-        with self._wrap("read", path, missing=True):
+        with self.translating("read", path, missing=True):
             fd = open_private(target, os.O_RDONLY)
             try:
                 return self._pread(fd, path, offset, length, exact=True)
@@ -391,7 +154,7 @@ class PosixTier(Tier):
         parts = []
         got = 0
         while got < length:
-            part = os.pread(fd, min(length - got, _MAX_IO), offset + got)
+            part = os.pread(fd, min(length - got, MAX_IO), offset + got)
             if not part:
                 break
             parts.append(part)
@@ -411,12 +174,12 @@ class PosixTier(Tier):
         view = writable_byte_view(out)
         _check_range(offset, view.nbytes)
         target = self._abs(path)
-        with self._wrap("read", path, missing=True):
+        with self.translating("read", path, missing=True):
             fd = open_private(target, os.O_RDONLY)
             try:
                 got = 0
                 while got < view.nbytes:
-                    n = os.preadv(fd, [view[got : got + _MAX_IO]], offset + got)
+                    n = os.preadv(fd, [view[got : got + MAX_IO]], offset + got)
                     if n <= 0:
                         raise self._short(path, offset, view.nbytes, got)
                     got += n
@@ -432,7 +195,7 @@ class PosixTier(Tier):
 
     def info(self, path: str) -> FileInfo:
         target = self._abs(path)
-        with self._wrap("stat", path, missing=True):
+        with self.translating("stat", path, missing=True):
             st = os.lstat(target)
         if stat.S_ISLNK(st.st_mode):
             check_private(target, st, directory=False)
@@ -482,13 +245,13 @@ class PosixTier(Tier):
         parts = base.split("/") if base else []
         if not all(self._listed("/".join(parts[: i + 1])) for i in range(len(parts))):
             return found
-        with self._wrap("list", prefix or "."):
+        with self.translating("list", prefix or "."):
             self._walk(base, found, sizes)
         return sorted(p for p in found if p.startswith(prefix))
 
     def delete(self, path: str) -> None:
         target = self._abs(path)
-        with self._wrap("delete", path), suppress(FileNotFoundError):
+        with self.translating("delete", path), suppress(FileNotFoundError):
             os.unlink(target)
 
     def remove_empty_dirs(self, prefix: str) -> None:
@@ -497,17 +260,8 @@ class PosixTier(Tier):
         Retention calls it after deleting a step's files. A directory that is not empty
         stays; symbolic links are never followed or removed.
         """
-        with self._wrap("remove empty directories under", prefix):
+        with self.translating("remove empty directories under", prefix):
             remove_empty_dirs_below(self._abs(prefix.rstrip("/")))
-
-
-def remove_empty_dirs_below(top: str) -> None:
-    """Remove ``top`` and every directory below it that is (or becomes) empty; follow no link."""
-    if os.path.islink(top) or not os.path.isdir(top):
-        return
-    for directory, _, _ in os.walk(top, topdown=False):
-        with suppress(OSError):  # not empty (or gone): leave it
-            os.rmdir(directory)
 
 
 def _check_range(offset: int, length: int) -> None:

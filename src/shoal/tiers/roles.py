@@ -8,7 +8,9 @@
   from); the ``shared`` tier.
 
 Code opens a tier for a role with :func:`open_role` (or asks :func:`kind_for`), never with a
-kind written out: a kind says how bytes are stored, a role what they are there for. Each
+kind written out: a kind says how bytes are stored, a role what they are there for. A host tier
+(staging, host copy) rooted at a local directory under a configured root is opened with
+:func:`open_host_role`, which passes that root on as the trusted base of the private checks. Each
 role also has needs (:func:`check_role_kind`), so a kind registered in place of a built-in
 one (``register_tier("shared", ..., replace=True)``) is refused for a role it cannot play.
 """
@@ -16,14 +18,19 @@ one (``register_tier("shared", ..., replace=True)``) is refused for a role it ca
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal, overload
 
 from shoal.errors import ConfigError
 from shoal.tiers.base import Tier
 from shoal.tiers.registry import tier_class
 from shoal.tiers.slabs import SlabStore
+
+if TYPE_CHECKING:  # the host tiers are imported when one is opened (the dram tier loads numpy)
+    from shoal.tiers.dram import DramTier
+    from shoal.tiers.local import PosixTier
 
 
 class Role(str, enum.Enum):
@@ -104,6 +111,64 @@ def open_role(
     return tier_class(chosen).from_url(url, storage_options)
 
 
+@overload
+def open_host_role(
+    role: Literal[Role.STAGING],
+    root: str | os.PathLike[str],
+    *,
+    base: str | os.PathLike[str] | None = None,
+    kind: str | None = None,
+) -> DramTier: ...
+
+
+@overload
+def open_host_role(
+    role: Role | str,
+    root: str | os.PathLike[str],
+    *,
+    base: str | os.PathLike[str] | None = None,
+    kind: str | None = None,
+) -> PosixTier: ...
+
+
+def open_host_role(
+    role: Role | str,
+    root: str | os.PathLike[str],
+    *,
+    base: str | os.PathLike[str] | None = None,
+    kind: str | None = None,
+) -> PosixTier:
+    """Open the host tier that plays ``role`` (staging or host copy) at the local directory ``root``.
+
+    ``base`` is the trusted base of the private checks (:class:`~shoal.tiers.local.PosixTier`): the
+    configured root (``Config.dram``, ``Config.local``) the tier lies under; it defaults to
+    ``root``. ``kind`` overrides :func:`kind_for` and is checked with :func:`check_role_kind`, as
+    for :func:`open_role`. A host tier opened from a directory is a POSIX one: the staging tier's
+    class must be a :class:`~shoal.tiers.dram.DramTier`, a host copy's a ``PosixTier``; the shared
+    role is no host role (:func:`open_role` opens it). Nothing is created on disk.
+    """
+    r = as_role(role)
+    if r is Role.SHARED:
+        raise ConfigError("the shared tier is not a host tier; open it with open_role(SHARED, url)")
+    chosen = check_role_kind(r, kind_for(r) if kind is None else kind)
+    cls = tier_class(chosen)
+    need: type[PosixTier]
+    if r is Role.STAGING:
+        from shoal.tiers.dram import DramTier
+
+        need = DramTier
+    else:
+        from shoal.tiers.local import PosixTier
+
+        need = PosixTier
+    if not issubclass(cls, need):
+        raise ConfigError(
+            f"tier kind {chosen!r} ({cls.__qualname__}) cannot be opened as the {r.value} tier at the "
+            f"directory {os.fspath(root)}: it is not a {need.__name__}"
+        )
+    return cls(root, base=base)
+
+
 __all__ = [
     "HOST_COPY",
     "ROLE_KINDS",
@@ -113,5 +178,6 @@ __all__ = [
     "as_role",
     "check_role_kind",
     "kind_for",
+    "open_host_role",
     "open_role",
 ]

@@ -3,7 +3,7 @@
 One class, two commit strategies chosen once from the URL's file system:
 
 * a local path or ``file://`` URL (a mounted parallel file system) commits with
-  :class:`~shoal.tiers.local.AtomicRenameCommit` (temporary sibling, fsync, rename,
+  :class:`~shoal.tiers.files.AtomicRenameCommit` (temporary sibling, fsync, rename,
   directory fsync); ``capabilities.atomic_rename`` is true;
 * anything else (``s3://``, ``gs://``, ...) commits with :class:`ObjectPutCommit`: one
   streamed upload that the object store makes visible only when it completes, and
@@ -18,17 +18,25 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, suppress
 from typing import Any
 
 import fsspec
 import fsspec.utils
 from fsspec.implementations.local import LocalFileSystem
 
-from shoal.errors import InvalidName, MissingFile, ShoalError, TierError
-from shoal.tiers.base import CommitStrategy, Data, FileInfo, Tier, TierCapabilities, iter_byte_views
-from shoal.tiers.local import (
+from shoal.errors import InvalidName, MissingFile, TierError
+from shoal.tiers.base import (
+    CommitStrategy,
+    Data,
+    FileInfo,
+    Tier,
+    TierCapabilities,
+    iter_byte_views,
+    translate_errors,
+)
+from shoal.tiers.files import (
     AtomicRenameCommit,
     check_prefix,
     check_tier_path,
@@ -132,32 +140,21 @@ class FsspecTier(Tier):
     def _abs(self, path: str) -> str:
         return f"{self._root}/{check_tier_path(path)}"
 
-    @contextmanager
-    def _wrap(self, action: str, path: str, *, missing: bool = False) -> Iterator[None]:
-        """Turn backend errors into :class:`TierError` (:class:`MissingFile` when ``missing``)."""
-        try:
-            yield
-        except ShoalError:
-            raise
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
-            if missing:
-                what = "it is a directory" if isinstance(e, IsADirectoryError) else "no such file"
-                raise MissingFile(f"cannot {action} {path!r} in shared tier {self._url}: {what}") from e
-            raise TierError(f"could not {action} {path!r} in shared tier {self._url}: {e}") from e
-        except _REMOTE_ERRORS as e:
-            raise TierError(
-                f"could not {action} {path!r} in shared tier {self._url}: {type(e).__name__}: {e}"
-            ) from e
+    def _translating(self, action: str, path: str, *, missing: bool = False) -> AbstractContextManager[None]:
+        """:func:`~shoal.tiers.base.translate_errors` for the shared tier: botocore's errors too, each
+        named by its type (a file system's missing file by its message alone)."""
+        where = f"{path!r} in shared tier {self._url}"
+        return translate_errors(action, where, missing=missing, catch=_REMOTE_ERRORS, describe=_describe)
 
     def write(self, path: str, data: Data) -> int:
         """Atomically write ``data`` (rename + fsync on a file system, one completed upload on objects)."""
         target = self._abs(path)
-        with self._wrap("write", path):
+        with self._translating("write", path):
             return self._commit.write(target, data)
 
     def read(self, path: str) -> bytes:
         target = self._abs(path)
-        with self._wrap("read", path, missing=True):
+        with self._translating("read", path, missing=True):
             data = self.fs.cat_file(target)
         return bytes(data)
 
@@ -172,7 +169,7 @@ class FsspecTier(Tier):
                 f"past the largest file offset ({_MAX_OFFSET}); the metadata that asked for it is corrupt"
             )
         target = self._abs(path)
-        with self._wrap("read", path, missing=True):
+        with self._translating("read", path, missing=True):
             if length == 0:  # an empty HTTP range is invalid; only check the range is inside the file
                 size = self._size(target, path)
                 data = b""
@@ -199,14 +196,14 @@ class FsspecTier(Tier):
     def exists(self, path: str) -> bool:
         target = self._abs(path)
         try:
-            with self._wrap("stat", path, missing=True):
+            with self._translating("stat", path, missing=True):
                 return bool(self.fs.info(target).get("type") == "file")
         except MissingFile:
             return False
 
     def info(self, path: str) -> FileInfo:
         target = self._abs(path)
-        with self._wrap("stat", path, missing=True):
+        with self._translating("stat", path, missing=True):
             info = self.fs.info(target)
         if info.get("type") != "file":
             raise MissingFile(f"{path!r} in shared tier {self._url} is a directory, not a file")
@@ -225,7 +222,7 @@ class FsspecTier(Tier):
         check_prefix(prefix)
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = f"{self._root}/{base}" if base else self._root
-        with self._wrap("list", prefix or "."):
+        with self._translating("list", prefix or "."):
             try:
                 found = self.fs.find(start, detail=True)
             except FileNotFoundError:
@@ -243,7 +240,7 @@ class FsspecTier(Tier):
 
     def delete(self, path: str) -> None:
         target = self._abs(path)
-        with self._wrap("delete", path), suppress(FileNotFoundError):
+        with self._translating("delete", path), suppress(FileNotFoundError):
             self.fs.rm_file(target)
 
     def delete_many(self, paths: Sequence[str]) -> None:
@@ -253,7 +250,7 @@ class FsspecTier(Tier):
             super().delete_many(paths)
             return
         targets = [self._abs(p) for p in paths]
-        with self._wrap("delete", f"{len(paths)} files ({paths[0]} ...)"):
+        with self._translating("delete", f"{len(paths)} files ({paths[0]} ...)"):
             try:
                 self.fs.rm(targets)
             except FileNotFoundError:  # a file system whose batch stops at a missing file
@@ -272,8 +269,15 @@ class FsspecTier(Tier):
         """
         if not isinstance(self.fs, LocalFileSystem):
             return
-        with self._wrap("remove empty directories under", prefix):
+        with self._translating("remove empty directories under", prefix):
             remove_empty_dirs_below(self._abs(prefix.rstrip("/")))
+
+
+def _describe(err: BaseException) -> str:
+    """A backend error for a message: ``str(err)`` for a missing file or directory, else with its type."""
+    if isinstance(err, FileNotFoundError | NotADirectoryError | IsADirectoryError):
+        return str(err)
+    return f"{type(err).__name__}: {err}"
 
 
 def _mtime(info: Mapping[str, Any]) -> float:
