@@ -1,11 +1,11 @@
 """Coordination overhead per checkpoint against the number of ranks, on the emulated cluster (issue 10).
 
 For each shape ``HxR`` of ``--shapes`` (``H`` hosts of ``R`` gloo ranks: network namespaces,
-shaped links, moto's S3 behind its own link: :mod:`shoal.testing.cluster`), every rank saves a
+shaped links, moto's S3 behind its own link: :mod:`shoal.testing.cluster.hosts`), every rank saves a
 tiny state of its own (``--tensors`` tensors of ``--kib`` KiB, changed before each save), so that
 what a save costs is its protocol and not its bytes. Every link is shaped at ``--mbit`` (fast
 enough that a few KiB per rank take well under a millisecond). In one ``run_ranks`` job per shape
-(:func:`shoal.testing.cluster_coord.coord_bench`) each contender makes ``--saves`` timed saves
+(:func:`shoal.testing.bench.coordination.coord_bench`) each contender makes ``--saves`` timed saves
 after one warm-up, each after a barrier and after the previous one finished:
 
   * shoal, partner path and direct path, through ``s3://``: stall = until ``save`` returns, B4 =
@@ -34,8 +34,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from shoal.testing.cluster import Cluster, ClusterSpec, cannot_run
-from shoal.testing.cluster_coord import CONTENDERS, median_of_max
+from shoal.testing.bench.coordination import CONTENDERS, median_of_max
+from shoal.testing.cluster.hosts import Cluster, ClusterSpec, cannot_run
 
 NAN = float("nan")
 CPU_BOUND = 0.9
@@ -109,7 +109,9 @@ def run_shape(args: argparse.Namespace, hosts: int, per_host: int) -> dict[str, 
                 "settle": not args.no_settle,
                 "moto_pid": cluster.s3_pid(),
             }
-            ranks = cluster.run_ranks("shoal.testing.cluster_coord:coord_bench", per_host, job, timeout=900)
+            ranks = cluster.run_ranks(
+                "shoal.testing.bench.coordination:coord_bench", per_host, job, timeout=900
+            )
     finally:
         shutil.rmtree(dram, ignore_errors=True)
         shutil.rmtree(local, ignore_errors=True)

@@ -16,7 +16,7 @@ import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from shoal.testing.cluster import Cluster, ClusterSpec, cannot_run
+from shoal.testing.cluster.hosts import Cluster, ClusterSpec, cannot_run
 
 MIB = 1 << 20
 

@@ -1,10 +1,10 @@
 """Load N replicas of one model on the emulated cluster: shoal against every rank's own ``dcp.load``.
 
 ``--hosts`` hosts (network namespaces, shaped links, moto's S3 behind its own link:
-:mod:`shoal.testing.cluster`). For each N of ``--replicas``, N gloo ranks (one per host on the first
+:mod:`shoal.testing.cluster.hosts`). For each N of ``--replicas``, N gloo ranks (one per host on the first
 N hosts while they suffice, then the same number on every host) each load the same ``--model-mib``
 model (``--tensors`` float32 tensors, shoal chunks of ``--chunk-kib``), ``--loads`` timed loads after
-one warm-up, each job its own ``run_ranks`` (:mod:`shoal.testing.cluster_replicas`):
+one warm-up, each job its own ``run_ranks`` (:mod:`shoal.testing.bench.replicas`):
 
   * shoal from shared storage: fresh, empty host roots, so every chunk comes from S3; shoal reads
     each chunk once in the job (balanced over the hosts' storage NICs) and spreads it over the fabric,
@@ -36,11 +36,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from shoal.testing.cluster import Cluster, ClusterSpec, cannot_run
-from shoal.testing.cluster_replicas import load_metrics, placement, summarise
+from shoal.testing.bench.replicas import load_metrics, placement, summarise
+from shoal.testing.cluster.hosts import Cluster, ClusterSpec, cannot_run
 
 MIB = 1 << 20
-SCENARIOS = "shoal.testing.cluster_replicas"
+SCENARIOS = "shoal.testing.bench.replicas"
 CONTENDERS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("shoal, shared", "shoal_replicas", {"source": "shared"}),
     ("shoal, DRAM", "shoal_replicas", {"source": "dram"}),

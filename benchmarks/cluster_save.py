@@ -1,9 +1,9 @@
 """Save on the emulated cluster: shoal against ``dcp.save`` and ``dcp.async_save`` to the same S3, in one run.
 
 ``--hosts`` hosts of ``--ranks-per-host`` gloo ranks each (network namespaces, shaped links, moto's
-S3 behind its own link: :mod:`shoal.testing.cluster`) save a data-parallel model (``--model-mib``,
+S3 behind its own link: :mod:`shoal.testing.cluster.hosts`) save a data-parallel model (``--model-mib``,
 the same on every rank) plus each rank's optimizer shard (``--shard-mib``). Three contenders, each
-its own ``run_ranks`` job (:mod:`shoal.testing.cluster_bench`), ``--saves`` timed saves after one
+its own ``run_ranks`` job (:mod:`shoal.testing.bench.cluster_save`), ``--saves`` timed saves after one
 warm-up, each after the previous one finished, every tensor changed before each save:
 
   * shoal (partner path, through ``s3://``): stall = until ``save`` returns (B1), the slowest rank;
@@ -36,15 +36,15 @@ import sys
 import tempfile
 from typing import Any
 
-from shoal.testing.cluster import Cluster, ClusterSpec, cannot_run
+from shoal.testing.cluster.hosts import Cluster, ClusterSpec, cannot_run
 
 MIB = 1 << 20
-SHOAL = "shoal.testing.cluster_bench:shoal_bench"
+SHOAL = "shoal.testing.bench.cluster_save:shoal_bench"
 DCP_SAVE = "dcp.save + FsspecWriter"
 CONTENDERS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("shoal", SHOAL, {}),
-    (DCP_SAVE, "shoal.testing.cluster_bench:dcp_save_bench", {}),
-    ("dcp.async_save + FsspecWriter", "shoal.testing.cluster_bench:async_save_bench", {}),
+    (DCP_SAVE, "shoal.testing.bench.cluster_save:dcp_save_bench", {}),
+    ("dcp.async_save + FsspecWriter", "shoal.testing.bench.cluster_save:async_save_bench", {}),
 )
 ABLATIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("shoal, dedup off", SHOAL, {"distinct_model": True}),

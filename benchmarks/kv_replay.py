@@ -3,16 +3,17 @@
 The Mooncake conversation trace (``benchmarks/data/mooncake/``; any trace of that format with
 ``--trace``), its first ``--minutes``, replayed ``--speedup`` times faster than its clock by
 ``--instances`` serving instances (one process each, requests round-robin), with each policy in
-turn (:mod:`shoal.testing.kv_serving`). Reported per policy and storage: mean / p50 / p90 / p99
+turn (:mod:`shoal.testing.bench.kv_serving`). Reported per policy and storage: mean / p50 / p90 / p99
 time to first token (TTFT, on the trace's clock), its parts (queue, fetch, prefill), the hit ratio
 per tier, the blocks recomputed and the bytes read per tier; for shoal, its DRAM hit ratio next
-to the exact LRU simulation of the same trace and capacity (:func:`shoal.testing.kv_trace.simulate_lru`).
+to the exact LRU simulation of the same trace and capacity
+(:func:`shoal.testing.bench.kv_trace.simulate_lru`).
 
 Every assumption and its source is in docs/kv_replay.md. Storage ``local``: the storage is a
 directory on this machine's disk (shoal: DRAM pool + local-disk tier; the fallback: its LRU +
 the directory, one file per block). Storage ``cluster`` (needs root): the instances run in a
-host namespace of the emulated cluster (:mod:`shoal.testing.cluster`), the storage is its S3,
-loaded by another tenant (:class:`~shoal.testing.cluster_load.BackgroundLoad`); shoal has DRAM,
+host namespace of the emulated cluster (:mod:`shoal.testing.cluster.hosts`), the storage is its S3,
+loaded by another tenant (:class:`~shoal.testing.cluster.load.BackgroundLoad`); shoal has DRAM,
 a bounded local tier (``--local-blocks``) and the S3. Usage::
 
     python benchmarks/kv_replay.py --minutes 2 --storage local            # a smoke run, no root
@@ -34,7 +35,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-from shoal.testing.kv_serving import (
+from shoal.testing.bench.kv_serving import (
     POLICIES,
     QWEN25_14B,
     ModelLayout,
@@ -43,7 +44,7 @@ from shoal.testing.kv_serving import (
     scaled_link_mbit,
     summarize,
 )
-from shoal.testing.kv_trace import (
+from shoal.testing.bench.kv_trace import (
     BLOCK_TOKENS,
     TraceError,
     load_trace,
@@ -145,8 +146,8 @@ def _cpus(text: str | None) -> tuple[int, ...] | None:
 
 
 def _run_cluster(args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
-    from shoal.testing.cluster import Cluster, ClusterSpec, cannot_run
-    from shoal.testing.cluster_load import BackgroundLoad
+    from shoal.testing.cluster.hosts import Cluster, ClusterSpec, cannot_run
+    from shoal.testing.cluster.load import BackgroundLoad
 
     why = cannot_run()
     if why:
@@ -175,7 +176,7 @@ def _run_cluster(args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
             )  # fmt: skip
             with load:
                 ranks = cluster.run_ranks(
-                    "shoal.testing.kv_serving:replay_instance", args.instances, {"config": asdict(cfg)},
+                    "shoal.testing.bench.kv_serving:replay_instance", args.instances, {"config": asdict(cfg)},
                     timeout=_timeout(args), hosts=1,
                 )  # fmt: skip
             results.append({"config": asdict(cfg), "ranks": ranks, "wall_s": time.monotonic() - t})

@@ -1,11 +1,11 @@
 """Fidelity of the completion-time model (``shoal.model.writers``) on the emulated cluster.
 
 The sweep: jobs of ``hosts x ranks-per-host`` gloo ranks, each rank draining its own state as
-``streams`` packs in flight at once (:mod:`shoal.testing.cluster_model`), so a checkpoint has
+``streams`` packs in flight at once (:mod:`shoal.testing.bench.model_fidelity`), so a checkpoint has
 ``N = hosts x ranks x streams`` writers of ``S`` bytes each, over a sequence of cluster
 configurations (:data:`SWEEP`): writers N, bytes per writer S, another tenant's load
-(:class:`~shoal.testing.cluster_load.BackgroundLoad`: none, light, heavy) and the storage link's
-weather (:class:`~shoal.testing.cluster_load.Weather`: steady, a random walk, regimes). The sweep
+(:class:`~shoal.testing.cluster.load.BackgroundLoad`: none, light, heavy) and the storage link's
+weather (:class:`~shoal.testing.cluster.load.Weather`: steady, a random walk, regimes). The sweep
 runs ``--rounds`` times over every configuration (each round after the previous one), so a
 forward split in time has every regime on both sides. Raw drain-pack records go to ``--out``.
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MIB = 1 << 20
-SCENARIO = "shoal.testing.cluster_model:drain_sweep"
+SCENARIO = "shoal.testing.bench.model_fidelity:drain_sweep"
 JOB_HOSTS = 2
 """Hosts the jobs run on (the first ones); the tenants' hosts come after them."""
 TENANT_HOSTS = 2
@@ -96,7 +96,7 @@ SWEEP: tuple[JobSpec, ...] = (
 @contextmanager
 def _conditions(cluster: Any, job: JobSpec, seed: int) -> Iterator[list[tuple[float, float]]]:
     """The tenants' load and the storage weather of ``job`` while the block runs; yields the timeline."""
-    from shoal.testing.cluster_load import BackgroundLoad, Weather, set_storage_rate
+    from shoal.testing.cluster.load import BackgroundLoad, Weather, set_storage_rate
 
     timeline: list[tuple[float, float]] = []
     with ExitStack() as stack:
@@ -146,7 +146,7 @@ def sweep(saves: int, rounds: int, only: int | None, out: str) -> dict[str, Any]
     """Run every configuration ``rounds`` times, each job on a fresh cluster; the raw records.
 
     What is done so far is written to ``out`` after every job (a sweep cut short keeps it)."""
-    from shoal.testing.cluster import Cluster, ClusterSpec
+    from shoal.testing.cluster.hosts import Cluster, ClusterSpec
 
     spec = ClusterSpec(JOB_HOSTS + TENANT_HOSTS, HOST_MBIT, HOST_MBIT, STORAGE_MBIT)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -449,7 +449,7 @@ def main() -> int:
         with open(args.source, encoding="utf-8") as f:
             data = json.load(f)
     else:
-        from shoal.testing.cluster import cannot_run
+        from shoal.testing.cluster.hosts import cannot_run
 
         why = cannot_run()
         if why is not None:

@@ -2,7 +2,7 @@
 
 For each regime (a number of hosts N, one rank each, another tenant's background load on the
 shared storage, and optionally the storage link's weather), three jobs save every ``--interval``
-seconds (:func:`shoal.testing.cluster_paths.path_run`), one per policy: ``Config.path`` =
+seconds (:func:`shoal.testing.bench.model_paths.path_run`), one per policy: ``Config.path`` =
 ``direct``, ``partner``, ``auto``. Each job has its own name on the store; the weather restarts
 from the same seed for each, so the three see the same storage. What is reported, per regime:
 
@@ -35,11 +35,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shoal.model.exposure import CheckpointTimes, exposure_timeline
-from shoal.testing.cluster import Cluster, ClusterSpec, cannot_run
-from shoal.testing.cluster_load import BackgroundLoad, Weather, set_storage_rate
+from shoal.testing.cluster.hosts import Cluster, ClusterSpec, cannot_run
+from shoal.testing.cluster.load import BackgroundLoad, Weather, set_storage_rate
 
 POLICIES = ("direct", "partner", "auto")
-SCENARIO = "shoal.testing.cluster_paths:path_run"
+SCENARIO = "shoal.testing.bench.model_paths:path_run"
 MIB = 1 << 20
 
 

@@ -1,6 +1,6 @@
 """The serving simulator of the KV-cache trace replay (``benchmarks/kv_replay.py``, docs/kv_replay.md).
 
-One serving instance per process; requests of a trace (:mod:`shoal.testing.kv_trace`) go to the
+One serving instance per process; requests of a trace (:mod:`shoal.testing.bench.kv_trace`) go to the
 instances round-robin and arrive on the trace's clock divided by ``speedup``. Each instance runs
 its prefills one at a time, in arrival order. For one request (:func:`serve_request`):
 
@@ -17,7 +17,7 @@ its prefills one at a time, in arrival order. For one request (:func:`serve_requ
 The three policies (:class:`Recompute`, :class:`PerKeyFallback`, :class:`ShoalPolicy`) implement
 :class:`Policy`. :func:`replay_instance` is the scenario one rank runs (under
 :func:`shoal.testing.multiproc.run_ranks` on one machine, or
-:meth:`shoal.testing.cluster.Cluster.run_ranks` in a host namespace of the emulated cluster);
+:meth:`shoal.testing.cluster.hosts.Cluster.run_ranks` in a host namespace of the emulated cluster);
 it returns per-request records as JSON, which :func:`summarize` turns into the report.
 """
 
@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from shoal.errors import ConfigError, MissingFile, ShoalError
 from shoal.kv import DRAM, SHARED, BlockKey, KVConfig, KVStore, chain_keys, namespace_for
 from shoal.kv.pool import physical_bytes
-from shoal.testing.kv_trace import BLOCK_TOKENS, TraceRequest, account, load_trace, window
+from shoal.testing.bench.kv_trace import BLOCK_TOKENS, TraceRequest, account, load_trace, window
 from shoal.tiers import Tier, open_tier
 
 __all__ = [
@@ -469,7 +469,7 @@ def replay_instance(rank: int, world: int, *, config: Mapping[str, Any]) -> dict
 
     cfg = ServingConfig(**config)
     if cfg.s3 and cfg.shared_url is not None:
-        from shoal.testing.cluster_bench import prepare_bucket
+        from shoal.testing.bench.cluster_save import prepare_bucket
 
         prepare_bucket(rank, cfg.shared_url.removeprefix("s3://").split("/", 1)[0])
     reqs = window(load_trace(cfg.trace, block_tokens=cfg.block_tokens), cfg.minutes)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from shoal.testing.cluster import Cluster, ClusterSpec, cannot_run
-from shoal.testing.cluster_load import BackgroundLoad, Weather, set_storage_rate
+from shoal.testing.cluster.hosts import Cluster, ClusterSpec, cannot_run
+from shoal.testing.cluster.load import BackgroundLoad, Weather, set_storage_rate
 
 WHY = cannot_run()
 MIB = 1 << 20

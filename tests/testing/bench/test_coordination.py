@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.testing.cluster_coord import PHASES, dcp_phases, median_of_max, step_phases, tiny_state
+from shoal.testing.bench.coordination import PHASES, dcp_phases, median_of_max, step_phases, tiny_state
 
 
 def _rec(event: str, mono: float, **fields: Any) -> dict[str, Any]:

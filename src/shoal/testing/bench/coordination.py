@@ -1,6 +1,6 @@
 """Coordination overhead on the emulated cluster (``benchmarks/cluster_coord.py``): a tiny state, saved often.
 
-:func:`coord_bench` runs on every rank of a :meth:`shoal.testing.cluster.Cluster.run_ranks` job.
+:func:`coord_bench` runs on every rank of a :meth:`shoal.testing.cluster.hosts.Cluster.run_ranks` job.
 Each rank holds :func:`tiny_state` (a few KiB of its own, under its own keys, so neither shoal nor
 DCP deduplicates it away) and saves it ``saves`` times after one warm-up with each contender in
 turn, in one process, each save after a barrier and after the previous one finished:
@@ -34,18 +34,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from shoal._torch_private import FsspecWriter
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.records.events import monotonic, read_events
-from shoal.testing.cluster_bench import CpuWindow, prepare_bucket
-from shoal.testing.cluster_scenarios import cluster_config
+from shoal.testing.bench.cluster_save import CpuWindow, prepare_bucket
+from shoal.testing.cluster.scenarios import cluster_config
 from shoal.testing.s3 import s3_storage_options
 
 __all__ = [

@@ -12,7 +12,7 @@ same place after equal ids name a reusable block. Who calls what:
   :func:`shoal.kv.keys.chain_keys` does with hashes), so a block is reusable only as part of a
   prefix.
 * :func:`simulate_lru` is the exact LRU simulation of a DRAM pool of ``capacity`` blocks over the
-  same operations the serving simulator (:mod:`shoal.testing.kv_serving`) does on shoal's store:
+  same operations the serving simulator (:mod:`shoal.testing.bench.kv_serving`) does on shoal's store:
   per request, the longest stored prefix is fetched (its DRAM hits touched as one batch), blocks
   found below DRAM are promoted, then the request's new blocks are put as one batch. It
   reproduces the store's rules (within a batch touched or stored at one instant, the prefix's

@@ -1,6 +1,6 @@
 """The completion-time model's fidelity sweep on the emulated cluster (``benchmarks/model_fidelity.py``).
 
-:func:`drain_sweep` runs on every rank of a :meth:`shoal.testing.cluster.Cluster.run_ranks` job: it
+:func:`drain_sweep` runs on every rank of a :meth:`shoal.testing.cluster.hosts.Cluster.run_ranks` job: it
 saves ``saves + 1`` checkpoints of a state that is this rank's own (``shard_bytes`` of one tensor,
 nothing another rank holds, so each rank drains exactly its own bytes) through the cluster's S3 on
 the direct path, every tensor changed before each save (every chunk new, nothing deduplicated),
@@ -25,8 +25,8 @@ from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.format.chunking import MIN_CHUNK_SIZE
 from shoal.records.events import WriterRecord, read_events
-from shoal.testing.cluster_bench import prepare_bucket
-from shoal.testing.cluster_scenarios import cluster_config
+from shoal.testing.bench.cluster_save import prepare_bucket
+from shoal.testing.cluster.scenarios import cluster_config
 
 __all__ = ["CHUNK", "drain_sweep", "pack_bytes_for", "pack_records"]
 

@@ -16,7 +16,7 @@ killed) when the next one starts, and two live clusters never collide.
 
 Use it as a context manager (:class:`Cluster`) or from the command line::
 
-    python -m shoal.testing.cluster --hosts 2 --host-storage-mbit 200 -- python my_rank.py
+    python -m shoal.testing.cluster.hosts --hosts 2 --host-storage-mbit 200 -- python my_rank.py
 
 which brings the cluster up, runs the command once per host inside that host's namespace (with
 ``SHOAL_HOST_ID``, ``SHOAL_CLUSTER_HOST``, ``SHOAL_CLUSTER_HOSTS``, ``SHOAL_S3_ENDPOINT``,
@@ -24,7 +24,7 @@ which brings the cluster up, runs the command once per host inside that host's n
 interface byte counts, and tears everything down, also on Ctrl-C or an error.
 
 :meth:`Cluster.run_ranks` runs a scenario as one gloo job across the hosts (a few ranks per host,
-started by :mod:`shoal.testing.cluster_ranks` in each host's namespace, joined over the fabric).
+started by :mod:`shoal.testing.cluster.ranks` in each host's namespace, joined over the fabric).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.testing.cluster_ranks import GRACE_S, result_path
+from shoal.testing.cluster.ranks import GRACE_S, result_path
 from shoal.testing.multiproc import RankFailed
 
 PREFIX = "shc-"
@@ -83,7 +83,7 @@ class ClusterSpec:
     """The storage server's own link: what the whole cluster can get from or give to storage."""
     s3_port: int = 5000
     storage_cpus: tuple[int, ...] | None = None
-    """CPUs the S3 server and the other tenants (:class:`~shoal.testing.cluster_load.BackgroundLoad`)
+    """CPUs the S3 server and the other tenants (:class:`~shoal.testing.cluster.load.BackgroundLoad`)
     run on; None: any. In a real cluster they are other machines, so they never take the job's CPUs:
     pinning them apart from ``job_cpus`` keeps the contention on the storage, where it belongs."""
     job_cpus: tuple[int, ...] | None = None
@@ -398,11 +398,11 @@ class Cluster:
         """Run ``scenario(rank, world_size, **args)`` on ``ranks_per_host`` gloo ranks on every host.
 
         ``scenario`` is ``"package.module:function"`` or a module-level function (each rank imports
-        it). Host ``i`` runs :mod:`shoal.testing.cluster_ranks` in its namespace, which starts global
+        it). Host ``i`` runs :mod:`shoal.testing.cluster.ranks` in its namespace, which starts global
         ranks ``i * ranks_per_host ...``; they join over the fabric (rank 0's store at host 0's
         fabric address, gloo bound to ``fb0``). ``args`` and each rank's return value must be JSON;
         the values come back in rank order. When a rank fails the others get ``grace`` seconds
-        (:data:`~shoal.testing.cluster_ranks.GRACE_S` by default: they may be failing too, over a
+        (:data:`~shoal.testing.cluster.ranks.GRACE_S` by default: they may be failing too, over a
         collective they shared with it), then every rank still running is killed, and
         :class:`~shoal.testing.multiproc.RankFailed` carries each failed rank's traceback (and the
         end of the hosts' output); likewise after ``timeout`` seconds. ``hosts``: run on the first
@@ -427,7 +427,7 @@ class Cluster:
         try:
             for i in range(used):
                 argv = [
-                    self.python, "-m", "shoal.testing.cluster_ranks", "--scenario", scenario,
+                    self.python, "-m", "shoal.testing.cluster.ranks", "--scenario", scenario,
                     "--host", str(i), "--hosts", str(used),
                     "--ranks-per-host", str(ranks_per_host),
                     "--master", self.fabric_addr(0), "--port", str(port),
@@ -551,7 +551,7 @@ def _log_tails(out: str, hosts: int, limit: int = 4000) -> str:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m shoal.testing.cluster",
+        prog="python -m shoal.testing.cluster.hosts",
         description="Bring an emulated cluster up, run a command once per host in it, tear it down.",
     )
     p.add_argument("--hosts", type=int, default=2)
@@ -574,7 +574,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
             for i in range(spec.hosts):
                 print(f"h{i}: {cluster.counters(i)}")
     except ClusterError as e:
-        print(f"shoal.testing.cluster: {e}", file=sys.stderr)
+        print(f"shoal.testing.cluster.hosts: {e}", file=sys.stderr)
         return 2
     return max(codes, default=0)
 

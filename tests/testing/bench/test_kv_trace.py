@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from shoal.testing.kv_trace import (
+from shoal.testing.bench.kv_trace import (
     TraceError,
     TraceRequest,
     _Lru,

@@ -1,8 +1,8 @@
-"""Start one host's gloo ranks inside an emulated cluster host (:mod:`shoal.testing.cluster`).
+"""Start one host's gloo ranks inside an emulated cluster host (:mod:`shoal.testing.cluster.hosts`).
 
-Run once per host namespace (:meth:`shoal.testing.cluster.Cluster.run_ranks` does)::
+Run once per host namespace (:meth:`shoal.testing.cluster.hosts.Cluster.run_ranks` does)::
 
-    python -m shoal.testing.cluster_ranks --scenario shoal.testing.cluster_scenarios:save_state \\
+    python -m shoal.testing.cluster.ranks --scenario shoal.testing.cluster.scenarios:save_state \\
         --host 1 --hosts 2 --ranks-per-host 2 --master 10.202.0.10 --port 29500 \\
         --args '{"bucket": "b"}' --out /tmp/results
 
@@ -131,7 +131,7 @@ def _host_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(1))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "shoal.testing.cluster_ranks", *argv, *me, "--rank", str(r)], env=env
+            [sys.executable, "-m", "shoal.testing.cluster.ranks", *argv, *me, "--rank", str(r)], env=env
         )
         for r in range(args.ranks_per_host)
     ]
@@ -161,7 +161,7 @@ def _host_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m shoal.testing.cluster_ranks",
+        prog="python -m shoal.testing.cluster.ranks",
         description="Start one emulated host's gloo ranks and run a scenario on each.",
     )
     p.add_argument("--scenario", required=True, help="package.module:function, called (rank, world, **args)")

@@ -1,7 +1,7 @@
 """The path experiment's job on the emulated cluster (``benchmarks/model_paths.py``): one policy, one regime.
 
-Each rank of a :meth:`shoal.testing.cluster.Cluster.run_ranks` job builds
-:func:`~shoal.testing.cluster_scenarios.cluster_state` (a small data-parallel model and this
+Each rank of a :meth:`shoal.testing.cluster.hosts.Cluster.run_ranks` job builds
+:func:`~shoal.testing.cluster.scenarios.cluster_state` (a small data-parallel model and this
 rank's own optimizer shard) and saves it every ``interval`` seconds, as training does, through the
 cluster's S3, with ``Config.path`` set to the policy under test (``direct``, ``partner`` or
 ``auto``: the completion-time model). Every tensor changes before each save, so every chunk is
@@ -26,8 +26,8 @@ from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.engine.handle import SaveHandle
 from shoal.records.events import read_events
-from shoal.testing.cluster_bench import prepare_bucket
-from shoal.testing.cluster_scenarios import cluster_config, cluster_state
+from shoal.testing.bench.cluster_save import prepare_bucket
+from shoal.testing.cluster.scenarios import cluster_config, cluster_state
 
 __all__ = ["path_run"]
 

@@ -1,9 +1,9 @@
 """Load N replicas of one model on the emulated cluster (``benchmarks/cluster_replicas.py``, issue 10).
 
 N gloo ranks, each a replica of one data-parallel model, load it on the hosts of
-:mod:`shoal.testing.cluster` (placed by :func:`placement`: one rank per host up to the cluster's
+:mod:`shoal.testing.cluster.hosts` (placed by :func:`placement`: one rank per host up to the cluster's
 hosts, then several). The scenarios below run on every rank of a
-:meth:`~shoal.testing.cluster.Cluster.run_ranks` job; arguments and results are JSON:
+:meth:`~shoal.testing.cluster.hosts.Cluster.run_ranks` job; arguments and results are JSON:
 
 * :func:`setup_replicas` (once, before the others): rank 0 creates the bucket; the job saves the
   model once with shoal (``s3://<bucket>/root``, direct path) and once with ``dcp.save`` and DCP's
@@ -39,14 +39,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
+from shoal._torch_private import FsspecReader, FsspecWriter
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.config import Config
+from shoal.testing.bench.cluster_save import cpu_seconds
 from shoal.testing.checkpoints import assert_state_equal, zeros_like_state
-from shoal.testing.cluster_bench import cpu_seconds
-from shoal.testing.cluster_scenarios import cluster_config, shared_objects
+from shoal.testing.cluster.scenarios import cluster_config, shared_objects
 from shoal.testing.s3 import S3Admin, s3_storage_options
 
 __all__ = [

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from shoal.errors import ShoalError
-from shoal.testing.kv_serving import (
+from shoal.testing.bench.kv_serving import (
     QWEN25_14B,
     PerKeyFallback,
     ServingConfig,
@@ -22,7 +22,7 @@ from shoal.testing.kv_serving import (
     serve_requests,
     summarize,
 )
-from shoal.testing.kv_trace import load_trace, prefix_chains, simulate_lru
+from shoal.testing.bench.kv_trace import load_trace, prefix_chains, simulate_lru
 
 BLOCK = 4096
 

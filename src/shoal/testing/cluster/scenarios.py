@@ -1,7 +1,7 @@
-"""Scenarios for the emulated cluster, run with :meth:`shoal.testing.cluster.Cluster.run_ranks`.
+"""Scenarios for the emulated cluster, run with :meth:`shoal.testing.cluster.hosts.Cluster.run_ranks`.
 
 Each function runs on every rank of a gloo job whose hosts are network namespaces
-(:mod:`shoal.testing.cluster`): the host comes from ``SHOAL_HOST_ID`` and ``SHOAL_CLUSTER_HOST``,
+(:mod:`shoal.testing.cluster.hosts`): the host comes from ``SHOAL_HOST_ID`` and ``SHOAL_CLUSTER_HOST``,
 shared storage is ``s3://<bucket>/root`` on the cluster's S3 (``SHOAL_S3_ENDPOINT``), reached over
 the host's own storage NIC. The namespaces share one file system, so each host keeps its tiers
 under its own directories: ``<dram_root>/h<i>`` and ``<local_root>/h<i>``

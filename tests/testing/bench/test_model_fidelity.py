@@ -1,4 +1,4 @@
-"""The fidelity sweep's pure helpers (shoal.testing.cluster_model): pack sizes and record selection.
+"""The fidelity sweep's pure helpers (shoal.testing.bench.model_fidelity): pack sizes and record selection.
 
 The sweep itself runs on the emulated cluster (``benchmarks/model_fidelity.py``), not here.
 """
@@ -9,7 +9,7 @@ import pytest
 
 from shoal.records.events import Event, WriterRecord
 from shoal.records.packwriter import drain_parts
-from shoal.testing.cluster_model import CHUNK, pack_bytes_for, pack_records
+from shoal.testing.bench.model_fidelity import CHUNK, pack_bytes_for, pack_records
 
 
 @pytest.mark.parametrize(("share", "streams"), [(4 << 20, 1), (4 << 20, 4), (2 << 20, 2), (1 << 20, 8)])

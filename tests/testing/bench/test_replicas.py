@@ -1,4 +1,4 @@
-"""The pure parts of the "load N replicas" benchmark (shoal.testing.cluster_replicas): no cluster needed."""
+"""The pure parts of the "load N replicas" benchmark (shoal.testing.bench.replicas): no cluster needed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from shoal.testing.cluster_replicas import (
+from shoal.testing.bench.replicas import (
     LINKS,
     link_fraction,
     load_metrics,

@@ -1,7 +1,7 @@
 """Benchmark scenarios for the emulated cluster (``benchmarks/cluster_save.py``), one contender each.
 
-Each function runs on every rank of a :meth:`shoal.testing.cluster.Cluster.run_ranks` job, builds
-:func:`~shoal.testing.cluster_scenarios.cluster_state` (a data-parallel model plus this rank's
+Each function runs on every rank of a :meth:`shoal.testing.cluster.hosts.Cluster.run_ranks` job, builds
+:func:`~shoal.testing.cluster.scenarios.cluster_state` (a data-parallel model plus this rank's
 optimizer shard), and saves it ``saves + 1`` times through the cluster's S3, each save after the
 previous one finished; the first is a warm-up (shoal's slabs, s3fs's connections) and is not timed.
 Before every save each tensor gets ``+ 1`` on all its elements (on every rank alike, so the model
@@ -22,13 +22,13 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from shoal._torch_private import FsspecWriter
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.records.events import WriterRecord, read_events
-from shoal.testing.cluster_scenarios import cluster_config, cluster_state
+from shoal.testing.cluster.scenarios import cluster_config, cluster_state
 from shoal.testing.s3 import S3Admin, s3_storage_options
 
 __all__ = ["CpuWindow", "async_save_bench", "cpu_seconds", "prepare_bucket", "dcp_save_bench", "shoal_bench"]
@@ -146,7 +146,7 @@ def shoal_bench(
 ) -> dict[str, Any]:
     """shoal: stall = until ``save`` returns (B1); B2/B3/B4 from the handle after it reached B4.
 
-    ``config`` overrides :func:`~shoal.testing.cluster_scenarios.cluster_config`'s settings.
+    ``config`` overrides :func:`~shoal.testing.cluster.scenarios.cluster_config`'s settings.
     The switches of the ablations: ``distinct_model`` gives every rank its own copy of the model
     under its own names (nothing to deduplicate: each rank writes its whole state, as a writer
     without dedup does);

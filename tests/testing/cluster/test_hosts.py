@@ -1,4 +1,5 @@
-"""The emulated cluster (shoal.testing.cluster): namespaces, shaped links, a real S3, nothing left behind."""
+"""The emulated cluster (shoal.testing.cluster.hosts): namespaces, shaped links, a real S3, nothing left
+behind."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from shoal.testing.cluster import PREFIX, Cluster, ClusterSpec, cannot_run, remove_leftovers
+from shoal.testing.cluster.hosts import PREFIX, Cluster, ClusterSpec, cannot_run, remove_leftovers
 
 WHY = cannot_run()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
@@ -113,7 +114,7 @@ def test_a_dead_runs_namespaces_are_removed_at_the_next_start() -> None:
 
 def test_the_command_line_runs_a_command_on_every_host() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "shoal.testing.cluster", "--hosts", "2", "--", sys.executable, "-c",
+        [sys.executable, "-m", "shoal.testing.cluster.hosts", "--hosts", "2", "--", sys.executable, "-c",
          "import os; os.write(1, f\"on {os.environ['SHOAL_HOST_ID']}\\n\".encode())"],
         capture_output=True, text=True, timeout=90, check=False,
     )  # fmt: skip
@@ -124,19 +125,19 @@ def test_the_command_line_runs_a_command_on_every_host() -> None:
 
 def test_run_ranks_on_the_first_hosts_only() -> None:
     with Cluster(ClusterSpec(hosts=3)) as cluster:
-        placed = cluster.run_ranks("shoal.testing.cluster_scenarios:all_reduce_placement", 2, hosts=2)
+        placed = cluster.run_ranks("shoal.testing.cluster.scenarios:all_reduce_placement", 2, hosts=2)
         assert [(p["rank"], p["world"], p["host"]) for p in placed] == [
             (0, 4, "h0"), (1, 4, "h0"), (2, 4, "h1"), (3, 4, "h1"),
         ]  # fmt: skip
         assert {p["sum"] for p in placed} == {0 + 1 + 2 + 3}
         for bad in (0, 4):
             with pytest.raises(ValueError, match=r"hosts must be in 1\.\.3"):
-                cluster.run_ranks("shoal.testing.cluster_scenarios:all_reduce_placement", 1, hosts=bad)
+                cluster.run_ranks("shoal.testing.cluster.scenarios:all_reduce_placement", 1, hosts=bad)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning apart needs at least two CPUs")
 def test_the_storage_side_and_the_job_run_on_the_cpus_the_spec_gives_them() -> None:
-    from shoal.testing.cluster_load import BackgroundLoad
+    from shoal.testing.cluster.load import BackgroundLoad
 
     storage, job = sorted(os.sched_getaffinity(0))[-1], sorted(os.sched_getaffinity(0))[0]
     spec = ClusterSpec(hosts=2, storage_cpus=(storage,), job_cpus=(job,))
@@ -156,7 +157,7 @@ def test_the_storage_side_and_the_job_run_on_the_cpus_the_spec_gives_them() -> N
                 time.sleep(0.1)
             assert len(pids) == 1
             assert os.sched_getaffinity(int(pids[0])) == {storage}
-        placed = cluster.run_ranks("shoal.testing.cluster_scenarios:all_reduce_placement", 1, hosts=1)
+        placed = cluster.run_ranks("shoal.testing.cluster.scenarios:all_reduce_placement", 1, hosts=1)
         assert placed[0]["cpus"] == [job]
 
 

@@ -1,4 +1,4 @@
-"""Shared-storage weather and background load for the emulated cluster (:mod:`shoal.testing.cluster`).
+"""Shared-storage weather and background load for the emulated cluster (:mod:`shoal.testing.cluster.hosts`).
 
 * :class:`Weather`: the storage link's rate (what the whole cluster can get from storage) changes
   over time, as a contended production file system's does: a list of regimes (rate, seconds),
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from shoal.testing.cluster import VETH_PREFIX, Cluster, ClusterError
+from shoal.testing.cluster.hosts import VETH_PREFIX, Cluster, ClusterError
 
 __all__ = ["BackgroundLoad", "Weather"]
 

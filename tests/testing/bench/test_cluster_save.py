@@ -1,7 +1,7 @@
 """A save through s3:// on a 2-host emulated cluster: the storage NICs carry the plan's balance.
 
 Two hosts of two gloo ranks each (network namespaces, shaped links, moto's S3 behind its own
-link: :mod:`shoal.testing.cluster`). The ranks save a data-parallel model plus per-rank optimizer
+link: :mod:`shoal.testing.cluster.hosts`). The ranks save a data-parallel model plus per-rank optimizer
 shards; each host's storage NIC must have sent what that host's ranks drained (read from the
 kernel's interface counters, against the drain's ``write`` events and the objects on S3), the two
 hosts' shares must be the plan's even split, and after host 1's tiers are deleted a fresh job
@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from shoal.testing import cluster_scenarios
-from shoal.testing.cluster import PREFIX, Cluster, ClusterSpec, cannot_run
-from shoal.testing.cluster_scenarios import CHUNK, host_tier_roots
+from shoal.testing.cluster import scenarios as cluster_scenarios
+from shoal.testing.cluster.hosts import PREFIX, Cluster, ClusterSpec, cannot_run
+from shoal.testing.cluster.scenarios import CHUNK, host_tier_roots
 from shoal.testing.multiproc import RankFailed
 
 WHY = cannot_run()
@@ -167,7 +167,7 @@ def test_run_ranks_forms_one_gloo_job_over_the_fabric_and_kills_what_fails_or_ha
         # One rank fails while the others go on: its traceback comes back, the rest are killed.
         with pytest.raises(RankFailed) as failed:
             cluster.run_ranks(
-                "shoal.testing.cluster_scenarios:sleep_or_fail",
+                "shoal.testing.cluster.scenarios:sleep_or_fail",
                 RANKS_PER_HOST,
                 {"bad_rank": 3},
                 timeout=60,
