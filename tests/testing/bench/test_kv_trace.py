@@ -23,7 +23,7 @@ from shoal.testing.bench.kv_trace import (
     window,
 )
 
-SHIPPED = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "mooncake"
+SHIPPED = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "mooncake"
 
 
 def _write(path: Path, rows: list[object]) -> str:
