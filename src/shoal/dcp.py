@@ -282,10 +282,7 @@ class StorageWriter(_DcpStorageWriter):
     @property
     def handle(self) -> SaveHandle:
         """The checkpoint's :class:`SaveHandle` (available once ``write_data`` ran)."""
-        try:
-            return self.session.handle
-        except StateError:
-            raise StateError(f"step {self.step}: the writer has not been used by dcp.save yet") from None
+        return self.session.handle
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:

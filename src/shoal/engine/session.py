@@ -53,20 +53,14 @@ class SaveSession:
         self.sequence = runtime.next_save_sequence() if direct else None
         self._handle: SaveHandle | None = None
         self._job: SaveJob | None = None
-        self._staged: list[StagedItem] | None = None
         self._handed_over = False
 
     @property
     def handle(self) -> SaveHandle:
         """The checkpoint's :class:`~shoal.engine.handle.SaveHandle` (once staged)."""
         if self._handle is None:
-            raise StateError(f"step {self.step}: the save has not staged anything yet")
+            raise StateError(f"step {self.step}: nothing is staged yet (dcp.save has not called write_data)")
         return self._handle
-
-    @property
-    def staged(self) -> list[StagedItem] | None:
-        """What :meth:`stage` copied (None before it, or when the save was skipped)."""
-        return self._staged
 
     def enter(self) -> None:
         """DCP's first call (every rank): a direct session checks every rank made this save.
@@ -85,11 +79,11 @@ class SaveSession:
         if self.sequence is not None:
             gate = self.runtime.new_gate(self.sequence, self.step)
         self._handle, self._job = self.runtime.stage(self.step, entries, started=self.started, gate=gate)
-        if self._job is not None:
-            assert self._job.staged is not None
-            self._staged = self._job.staged.items
-            self._handed_over = self.direct  # a gated job went to the pipeline at once
-        return self._staged
+        if self._job is None:
+            return None  # skipped
+        assert self._job.staged is not None
+        self._handed_over = self.direct  # a gated job went to the pipeline at once
+        return self._job.staged.items
 
     def finish(self, metadata: Metadata) -> None:
         """DCP's ``finish`` (its coordinator only): keep the encoded metadata for the manifest."""
