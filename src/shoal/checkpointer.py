@@ -254,6 +254,25 @@ class Checkpointer:
         """
         return self.runtime.latest(boundary)
 
+    def remove(self, step: int) -> None:
+        """Delete checkpoint ``step``, whatever ``Config.keep_last`` would keep (call it on every rank).
+
+        For a framework that decides itself which checkpoints to keep (a best-k by a metric).
+        Not a collective (no rank waits for another): each rank's pipeline deletes the step from
+        the tiers that rank looks after (the coordinator: shared storage; a host's leader: its
+        partner copies) in a retention pass run between checkpoints, queued now. Chunks that
+        other checkpoints share stay. Two steps are never deleted at once, only later: the one
+        ``LATEST`` names (the job's restart point) and one still in flight; each is deleted by the
+        first retention pass after a newer checkpoint committed. Saving ``step`` again cancels
+        the removal. Returns without waiting for the deletion; :meth:`wait` waits for it too.
+
+        Raises:
+            InvalidName: ``step`` is not a valid step number.
+            StateError: this Checkpointer is closed.
+        """
+        layout.check_step(step)
+        self.runtime.remove(step)
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every checkpoint this process staged is finished (or failed); False on timeout."""
         return self.runtime.wait(timeout)
