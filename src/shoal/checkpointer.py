@@ -172,6 +172,16 @@ class Checkpointer:
         # dcp.save returned: every rank has staged (DCP's last collective saw every write).
         return session.submit()
 
+    def stage_state(self, writer: shoal_dcp.StorageWriter, state_dict: Mapping[str, Any]) -> None:
+        """Plan and stage ``state_dict`` through ``writer`` as :meth:`save` does (collective).
+
+        What :meth:`shoal.dcp.StorageWriter.stage` calls for ``dcp.async_save``: the same checks,
+        the same ``dcp.save`` path and cost as :meth:`save`; the writer's own session submits.
+        """
+        self.runtime.check_open()
+        check_state(state_dict, f"dcp.async_save(step {writer.step})")
+        save_state(state_dict, writer, step=writer.step, no_dist=self.world_size == 1)
+
     # -- load ----------------------------------------------------------------
     def load(
         self, state_dict: Mapping[str, Any], step: int | None = None, *, heal: bool = True, cast: bool = False
