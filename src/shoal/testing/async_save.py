@@ -7,6 +7,7 @@ gets a gloo group of its own, as DCP asks of any async save that runs beside tra
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -31,6 +32,19 @@ def _bump(state: dict[str, Any]) -> None:
             v.add_(1)
 
 
+def _async_save(
+    state: dict[str, Any], writer: shoal_dcp.StorageWriter, pg: Any, kind: AsyncCheckpointerType
+) -> Future[Any]:
+    fut = dcp.async_save(state, storage_writer=writer, process_group=pg, async_checkpointer_type=kind)
+    assert isinstance(fut, Future), "shoal stages synchronously: DCP returns its upload future"
+    return fut
+
+
+def _reached(writer: shoal_dcp.StorageWriter) -> str | None:
+    reached = writer.handle.reached
+    return None if reached is None else reached.name
+
+
 def boundaries_and_failure(
     rank: int, world_size: int, *, root: str, kind: str, hold: float
 ) -> dict[str, Any]:
@@ -47,34 +61,28 @@ def boundaries_and_failure(
 
         writer = shoal_dcp.StorageWriter(ckpt, 1)
         t0 = time.perf_counter()
-        fut = dcp.async_save(
-            state, storage_writer=writer, process_group=pg, async_checkpointer_type=checkpointer_type
-        )
-        out["returned_at"] = writer.handle.reached.name if writer.handle.reached else None
+        fut = _async_save(state, writer, pg, checkpointer_type)
+        out["returned_at"] = _reached(writer)
         out["stall"] = time.perf_counter() - t0
         saved[1] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         _bump(state)
         fut.result(timeout=120)
-        out["at_b4_future"] = writer.handle.reached.name
+        out["at_b4_future"] = _reached(writer)
         out["latest_after_b4_future"] = ckpt.latest()
 
         failpoints.configure(f"pipeline.before_drain=delay:{hold}")
         writer = shoal_dcp.StorageWriter(ckpt, 2, durable_at=shoal.Boundary.REPLICATED)
-        fut = dcp.async_save(
-            state, storage_writer=writer, process_group=pg, async_checkpointer_type=checkpointer_type
-        )
+        fut = _async_save(state, writer, pg, checkpointer_type)
         saved[2] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         _bump(state)  # training goes on: the checkpoint keeps what was staged
         fut.result(timeout=120)
-        out["at_b2_future"] = writer.handle.reached.name
+        out["at_b2_future"] = _reached(writer)
         writer.handle.wait(timeout=120)
         failpoints.configure(None)
 
         failpoints.configure("pipeline.before_drain=raise@rank:1")
         writer = shoal_dcp.StorageWriter(ckpt, 3)
-        fut = dcp.async_save(
-            state, storage_writer=writer, process_group=pg, async_checkpointer_type=checkpointer_type
-        )
+        fut = _async_save(state, writer, pg, checkpointer_type)
         try:
             fut.result(timeout=120)
             out["failed"] = None
@@ -92,7 +100,8 @@ def boundaries_and_failure(
 
 def main(argv: list[str] | None = None) -> None:
     """``torchrun --nproc-per-node N -m shoal.testing.async_save ROOT KIND HOLD``: every rank runs
-    :func:`boundaries_and_failure` on its own simulated host and prints its result as JSON.
+    :func:`boundaries_and_failure` on its own simulated host and writes its result as JSON to
+    ``ROOT/result-<rank>.json``.
 
     For DCP's process checkpointer, whose checkpoint process a rank of
     :func:`~shoal.testing.multiproc.run_ranks` (a daemon process) may not start.
@@ -113,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         result = boundaries_and_failure(rank, world_size, root=args.root, kind=args.kind, hold=args.hold)
     finally:
         dist.destroy_process_group()
-    print("RESULT " + json.dumps({"rank": rank, **result}), flush=True)
+    with open(os.path.join(args.root, f"result-{rank}.json"), "w") as f:
+        json.dump({"rank": rank, **result}, f)
 
 
 if __name__ == "__main__":
