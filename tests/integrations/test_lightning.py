@@ -370,3 +370,40 @@ def test_a_pointer_whose_step_has_no_surviving_copy_loads_the_newest_restorable_
     assert "step 4 is not restorable" in caplog.text and "loading 2, the newest" in caplog.text
     # step 2 as it was saved (its own dict, kept in the step itself)
     _assert_identical(checkpoint, model.saved[0])
+
+
+@pytest.mark.timeout(300)
+def test_pointers_share_a_step_which_is_removed_with_the_last_pointer_naming_it(
+    tmp_path: Path, shm_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    io = ShoalCheckpointIO(
+        shoal.Config(
+            shared=str(tmp_path / "shared"), local=str(tmp_path / "local"), dram=str(shm_path), job="one"
+        ),
+        wait_for=shoal.Boundary.RESTARTABLE,
+    )
+    ckpts = tmp_path / "ckpts"
+    checkpoint = {"global_step": 3, "state_dict": OrderedDict(w=torch.arange(6.0))}
+    try:
+        io.save_checkpoint(checkpoint, ckpts / "epoch=0-step=3.ckpt")
+        assert io.checkpointer.latest() == 3  # wait_for: the pointer is written once the step is at B4
+        io.save_checkpoint(checkpoint, ckpts / "last.ckpt")  # the same step: only a pointer
+        io.save_checkpoint({**checkpoint, "global_step": 5}, ckpts / "epoch=0-step=5.ckpt")
+        io.remove_checkpoint(ckpts / "epoch=0-step=3.ckpt")  # last.ckpt still names step 3
+        assert io.checkpointer.wait(60)
+        assert _committed(tmp_path / "shared" / "one", capsys) == ([3, 5], 5)
+        io.save_checkpoint({**checkpoint, "global_step": 5}, ckpts / "last.ckpt")  # 3 named by nothing now
+        assert io.checkpointer.wait(60)
+        assert _pointers(ckpts) == {"epoch=0-step=5.ckpt": 5, "last.ckpt": 5}
+        assert _committed(tmp_path / "shared" / "one", capsys) == ([5], 5)
+        _assert_identical(io.load_checkpoint(ckpts / "last.ckpt"), {**checkpoint, "global_step": 5})
+    finally:
+        io.teardown()
+    # a new run that went back (its own Checkpointer): step 5 is committed already
+    again = _io(tmp_path, shm_path)
+    try:
+        with pytest.raises(shoal.errors.CheckpointExists, match="global_step 5.*new job"):
+            again.save_checkpoint({**checkpoint, "global_step": 5}, ckpts / "other.ckpt")
+    finally:
+        again.teardown()
+    assert not (ckpts / "other.ckpt").exists()
