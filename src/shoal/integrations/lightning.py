@@ -161,7 +161,7 @@ class ShoalCheckpointIO(CheckpointIO):
         """For a strategy, on every rank: ``broadcast`` from global rank 0, the only ``is_writer`` (of
         the pointers); makes the Checkpointer now (collective)."""
         self.broadcast, self.is_writer = broadcast, is_writer
-        assert self.checkpointer is not None
+        self._ckpt = self.checkpointer  # made now, on every rank alike
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
