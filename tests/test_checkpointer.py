@@ -104,6 +104,45 @@ def test_keep_last_deletes_old_checkpoints_but_keeps_every_chunk_retained_ones_n
             ckpt.load(zeros_like_state(states[1]), step=1)
 
 
+def _committed(ckpt: shoal.Checkpointer) -> list[int]:
+    return sorted(layout.step_of_path(p) for p in ckpt.shared.list("steps/") if p.endswith("/COMMIT"))
+
+
+def test_remove_deletes_a_kept_step_but_never_latest_before_a_newer_commit(tmp_path, dram_root):
+    config = make_config(tmp_path, dram_root, keep_last=None)
+    base = torch.randn(200_000)
+    states = {}
+    with shoal.Checkpointer(config) as ckpt:
+        for step in (1, 2, 3):
+            base[step * 1000] = step  # every step changes one chunk, shares the rest with the others
+            states[step] = {"w": base.clone(), "step": step}
+            ckpt.save(step, states[step]).wait(timeout=60)
+        assert ckpt.wait(timeout=60)
+        ckpt.remove(2)
+        assert ckpt.wait(timeout=60)  # the removal pass ran
+        assert _committed(ckpt) == [1, 3]
+        assert not ckpt.shared.exists(layout.manifest_path(2))
+        ckpt.remove(3)  # LATEST: the restart point stays until a newer checkpoint commits
+        assert ckpt.wait(timeout=60)
+        assert _committed(ckpt) == [1, 3] and ckpt.latest() == 3
+        base[4000] = 4
+        states[4] = {"w": base.clone(), "step": 4}
+        ckpt.save(4, states[4]).wait(timeout=60)
+        assert ckpt.wait(timeout=60)
+        assert _committed(ckpt) == [1, 4]
+        for step in (1, 4):  # the chunks step 2 and 3 shared with them are still there
+            out = zeros_like_state(states[step])
+            assert ckpt.load(out, step=step) == step
+            assert_state_equal(out, states[step])
+        with pytest.raises(shoal.CheckpointNotFound):
+            ckpt.load(zeros_like_state(states[2]), step=2)
+        ckpt.save(2, states[2]).wait(timeout=60)  # a removed step may be saved again, and is kept
+        assert ckpt.wait(timeout=60)
+        assert _committed(ckpt) == [1, 2, 4]
+        with pytest.raises(shoal.errors.InvalidName, match="step"):
+            ckpt.remove(-1)
+
+
 def test_saving_an_existing_step_is_refused(config):
     with shoal.Checkpointer(config) as ckpt:
         ckpt.save(5, {"w": torch.ones(3)}).wait(timeout=60)

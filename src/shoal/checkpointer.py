@@ -172,6 +172,16 @@ class Checkpointer:
         # dcp.save returned: every rank has staged (DCP's last collective saw every write).
         return session.submit()
 
+    def stage_state(self, writer: shoal_dcp.StorageWriter, state_dict: Mapping[str, Any]) -> None:
+        """Plan and stage ``state_dict`` through ``writer`` as :meth:`save` does (collective).
+
+        What :meth:`shoal.dcp.StorageWriter.stage` calls for ``dcp.async_save``: the same checks,
+        the same ``dcp.save`` path and cost as :meth:`save`; the writer's own session submits.
+        """
+        self.runtime.check_open()
+        check_state(state_dict, f"dcp.async_save(step {writer.step})")
+        save_state(state_dict, writer, step=writer.step, no_dist=self.world_size == 1)
+
     # -- load ----------------------------------------------------------------
     def load(
         self, state_dict: Mapping[str, Any], step: int | None = None, *, heal: bool = True, cast: bool = False
@@ -253,6 +263,25 @@ class Checkpointer:
         (a manifest for B3, a commit record for B4).
         """
         return self.runtime.latest(boundary)
+
+    def remove(self, step: int) -> None:
+        """Delete checkpoint ``step``, whatever ``Config.keep_last`` would keep (call it on every rank).
+
+        For a framework that decides itself which checkpoints to keep (a best-k by a metric).
+        Not a collective (no rank waits for another): each rank's pipeline deletes the step from
+        the tiers that rank looks after (the coordinator: shared storage; a host's leader: its
+        partner copies) in a retention pass run between checkpoints, queued now. Chunks that
+        other checkpoints share stay. Two steps are never deleted at once, only later: the one
+        ``LATEST`` names (the job's restart point) and one still in flight; each is deleted by the
+        first retention pass after a newer checkpoint committed. Saving ``step`` again cancels
+        the removal. Returns without waiting for the deletion; :meth:`wait` waits for it too.
+
+        Raises:
+            InvalidName: ``step`` is not a valid step number.
+            StateError: this Checkpointer is closed.
+        """
+        layout.check_step(step)
+        self.runtime.remove(step)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every checkpoint this process staged is finished (or failed); False on timeout."""

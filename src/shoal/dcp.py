@@ -29,9 +29,10 @@ import os
 import pickle
 import re
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
@@ -46,15 +47,19 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from shoal._torch_private import plan_caching
+from shoal.boundary import Boundary
 from shoal.engine.handle import SaveHandle
 from shoal.engine.restore import LoadReport, Restore
 from shoal.engine.runtime import Runtime
 from shoal.engine.session import SaveSession
 from shoal.errors import (
+    BoundaryTimeout,
+    CheckpointFailed,
     CollectiveMismatch,
     ConfigError,
     FormatError,
@@ -66,6 +71,7 @@ from shoal.errors import (
 from shoal.format.crosscheck import check_metadata, item_dtype, item_key
 from shoal.format.dcp_codec import decode_metadata
 from shoal.format.manifest import ItemRecord, Manifest
+from shoal.records.events import read_events
 from shoal.records.stager import StageEntry
 
 log = logging.getLogger(__name__)
@@ -76,6 +82,15 @@ class HasRuntime(Protocol):
 
     @property
     def runtime(self) -> Runtime: ...
+
+
+@runtime_checkable
+class StagesState(Protocol):
+    """A manager that drives ``dcp.save`` through a writer its own way (``shoal.Checkpointer``):
+    :meth:`StorageWriter.stage` stages through it, with the manager's checks and its cost, when the
+    writer's ``checkpointer`` is one. Otherwise ``stage`` calls ``dcp.save`` with :class:`SavePlanner`."""
+
+    def stage_state(self, writer: StorageWriter, state_dict: Mapping[str, Any]) -> None: ...
 
 
 __all__ = ["SavePlanner", "StorageReader", "StorageWriter", "item_key"]
@@ -251,7 +266,7 @@ def _same_plans(cached: list[SavePlan], plans: list[SavePlan]) -> bool:
     )
 
 
-class StorageWriter(_DcpStorageWriter):
+class StorageWriter(_DcpStorageWriter, AsyncStager):
     """Writes one checkpoint (``step``) of ``checkpointer`` through DCP.
 
     ``write_data`` (every rank) stages its items into the rank's DRAM slab and
@@ -263,12 +278,49 @@ class StorageWriter(_DcpStorageWriter):
     ``dcp.save`` and submits the checkpoint once it returned (:meth:`shoal.Checkpointer.save`
     does). Without one, the writer opens a direct session of its own: the save is checked to be
     every rank's, and its checkpoint goes to the pipeline as soon as DCP's ``finish`` ran.
+
+    **With** ``dcp.async_save``: the writer is also DCP's ``AsyncStager``. Given as
+    ``storage_writer=`` (and no ``async_stager=``), it is what ``dcp.async_save`` stages with:
+    :meth:`stage` plans and copies the state into the DRAM slab in the calling thread, exactly
+    as :meth:`shoal.Checkpointer.save` does, so ``dcp.async_save`` returns at B1 after one copy
+    (DCP makes none of its own). DCP's background save of the staged state then only waits: its
+    future completes once the checkpoint reached ``durable_at`` (B2 ``REPLICATED``, B3
+    ``PERSISTED`` or, the default, B4 ``RESTARTABLE``), and fails with DCP's
+    ``CheckpointException`` around shoal's :class:`~shoal.errors.CheckpointFailed` when the
+    checkpoint failed first (or :class:`~shoal.errors.BoundaryTimeout` after ``timeout``
+    seconds). Both of DCP's checkpointer types work: with ``AsyncCheckpointerType.PROCESS`` the
+    writer DCP sends to its checkpoint process follows the checkpoint in this rank's event log
+    (``Config.event_log``). As with any writer, give ``dcp.async_save`` a process group of its own
+    (``process_group=dist.new_group(backend="gloo")``): DCP's background save makes collectives.
     """
 
-    def __init__(self, checkpointer: HasRuntime, step: int, *, session: SaveSession | None = None) -> None:
+    _synchronize_after_execute = False  # stage() returns once the state is staged: nothing to wait for
+
+    def __init__(
+        self,
+        checkpointer: HasRuntime,
+        step: int,
+        *,
+        session: SaveSession | None = None,
+        durable_at: Boundary = Boundary.RESTARTABLE,
+        timeout: float | None = None,
+    ) -> None:
         super().__init__()
         self.checkpointer = checkpointer
         self.step = step
+        if not isinstance(durable_at, Boundary) or durable_at < Boundary.REPLICATED:
+            raise ConfigError(
+                f"StorageWriter(step {step}): durable_at must be Boundary.REPLICATED, PERSISTED or "
+                f"RESTARTABLE (when dcp.async_save's future completes), got {durable_at!r}"
+            )
+        if timeout is not None and not timeout > 0:
+            raise ConfigError(
+                f"StorageWriter(step {step}): timeout must be None or > 0 seconds, got {timeout!r}"
+            )
+        self.durable_at = durable_at
+        """The boundary at which ``dcp.async_save``'s future completes (see the class docstring)."""
+        self.timeout = timeout
+        """Seconds DCP's background save waits for :attr:`durable_at` (None: as long as it takes)."""
         if session is None:
             session = checkpointer.runtime.begin_save(step, direct=True)
         elif session.step != step:
@@ -278,12 +330,75 @@ class StorageWriter(_DcpStorageWriter):
         self.session = session
         """The save this writer stages (see the class docstring)."""
         self.is_coordinator = True
+        self._async: str | None = None
+        """None; ``"staging"`` inside :meth:`stage`; ``"staged"`` after it (DCP's save only waits)."""
+        self._staged_at = 0.0
 
     @property
     def handle(self) -> SaveHandle:
         """The checkpoint's :class:`SaveHandle` (available once ``write_data`` ran)."""
         return self.session.handle
 
+    # -- DCP's AsyncStager ----------------------------------------------------------------------
+    def stage(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """Stage ``state_dict`` for ``dcp.async_save`` (every rank, collective): return at B1.
+
+        Plans and copies the state into this rank's DRAM slab in the calling thread, as
+        :meth:`shoal.Checkpointer.save` does (with its checks: a value the default load would
+        refuse, two entries of one name), and hands the checkpoint to the pipeline. Returns an
+        empty state: DCP's background save of it only waits for :attr:`durable_at`.
+        """
+        if self._async is not None:
+            raise StateError(
+                f"step {self.step}: this StorageWriter has staged its save already; make one per "
+                "dcp.async_save"
+            )
+        self._async = "staging"
+        try:
+            manager = self.checkpointer
+            if isinstance(manager, StagesState):
+                manager.stage_state(self, state_dict)
+            else:
+                import torch.distributed.checkpoint as torch_dcp
+
+                torch_dcp.save(dict(state_dict), storage_writer=self, planner=SavePlanner())
+            self.session.submit()
+        except BaseException as e:
+            self._async = "failed"
+            self.session.abort(e)
+            raise
+        self._async = "staged"
+        self._staged_at = time.monotonic()
+        return {}
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once the state is staged."""
+
+    def close(self) -> None:
+        """Nothing to release: the DRAM slab belongs to the checkpointer."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """What DCP's checkpoint process (``AsyncCheckpointerType.PROCESS``) gets: a watcher."""
+        if self._async != "staged":
+            raise UnsupportedValue(
+                f"step {self.step}: shoal's StorageWriter stages in the training process and cannot be "
+                "sent to DCP's checkpoint process before it did: call dcp.async_save with "
+                "storage_writer=<this writer> and without async_stager= (shoal stages the state itself)"
+            )
+        events = self.checkpointer.runtime.config.event_log
+        if events is None:  # pragma: no cover - the runtime always sets one
+            raise ConfigError("AsyncCheckpointerType.PROCESS needs Config.event_log")
+        rank = self.checkpointer.runtime.rank
+        return (
+            _DurabilityWatch,
+            (events, rank, self.step, int(self.durable_at), self._staged_at, self.timeout),
+        )
+
+    def _wait_durable(self) -> None:
+        """DCP's background save (after :meth:`stage`): wait for :attr:`durable_at`, or raise."""
+        self.handle.wait(self.durable_at, timeout=self.timeout)
+
+    # -- DCP's StorageWriter -------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             raise ConfigError(
@@ -299,6 +414,8 @@ class StorageWriter(_DcpStorageWriter):
         the ranks that never called ``dcp.save`` never join: so the error is logged here too,
         naming them, before DCP waits out the process group's timeout.
         """
+        if self._async == "staged":
+            return
         self.is_coordinator = is_coordinator
         try:
             self.session.enter()  # a no-op when Checkpointer.save entered it before dcp.save
@@ -314,6 +431,16 @@ class StorageWriter(_DcpStorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
+        if self._async == "staged":
+            if plan.items:
+                raise StateError(
+                    f"step {self.step}: DCP's background save was given {len(plan.items)} items to write, "
+                    "but this writer staged the state already (in dcp.async_save's stage)"
+                )
+            self._wait_durable()
+            done: Future[list[WriteResult]] = Future()
+            done.set_result([])
+            return done
         entries: list[StageEntry] = []
         results: list[WriteResult] = []
         for item, key in zip(plan.items, SavePlanner.plan_cache.item_keys(plan.items), strict=True):
@@ -338,8 +465,83 @@ class StorageWriter(_DcpStorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._async == "staged":
+            return  # the metadata of DCP's background save of the empty staged state: not the checkpoint's
         metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
         self.session.finish(metadata)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+
+class _DurabilityWatch(_DcpStorageWriter):
+    """The writer DCP's checkpoint process runs after :meth:`StorageWriter.stage` (``PROCESS`` type).
+
+    It writes nothing: ``write_data`` follows the staging rank's event log (same host, same user;
+    records after the stage, by the host's monotonic clock) until the step's ``boundary`` record
+    reaches ``durable_at``, and raises :class:`~shoal.errors.CheckpointFailed` at its ``failed`` or
+    ``skipped`` record.
+    """
+
+    _POLL = 0.05
+
+    def __init__(
+        self, events: str, rank: int, step: int, durable_at: int, since: float, timeout: float | None
+    ) -> None:
+        super().__init__()
+        self.events, self.rank, self.step = events, rank, step
+        self.durable_at = Boundary(durable_at)
+        self.since, self.timeout = since, timeout
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            verdict = self._verdict()
+            if verdict is None:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise BoundaryTimeout(
+                    f"step {self.step}: {self.durable_at.label} not reached within {self.timeout} s "
+                    f"(followed in {self.events})"
+                )
+            time.sleep(self._POLL)
+        done: Future[list[WriteResult]] = Future()
+        done.set_result([])
+        return done
+
+    def _verdict(self) -> str | None:
+        """None once ``durable_at`` is reached; raises on failure; else what is awaited."""
+        try:
+            records = read_events(self.events, kinds=("boundary", "failed", "skipped"))
+        except FileNotFoundError:
+            return "the event log"
+        for e in records:
+            if e.step != self.step or e.rank != self.rank or e.mono is None or e.mono < self.since - 1.0:
+                continue
+            if e.event == "boundary" and Boundary[e.get("boundary")] >= self.durable_at:
+                return None
+            if e.event in ("failed", "skipped"):
+                raise CheckpointFailed(
+                    f"step {self.step} failed before {self.durable_at.label}: "
+                    f"{e.get('error') or e.event} ({e.where})"
+                )
+        return self.durable_at.label
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        pass
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -16,6 +16,7 @@ writers alone (:func:`~shoal.records.retention.plan_retention`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -53,7 +54,7 @@ class Pipeline:
         self.context = context
         self.ring = ring
         self.keep_last = keep_last
-        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._queue: queue.Queue[SaveJob | _Removal | None] = queue.Queue()
         self._cond = threading.Condition()
         self._pending: dict[int, SaveJob] = {}
         self._thread: threading.Thread | None = None
@@ -62,6 +63,10 @@ class Pipeline:
         """Retention passes in a row that yielded to a waiting checkpoint."""
         self.summaries = StepSummaries()
         """Each retained step's pack list, kept between retention passes (the worker's alone)."""
+        self.removed: set[int] = set()
+        """Steps the user removed (:meth:`remove`): every retention pass deletes them once it may."""
+        self._removals = 0
+        """Removal passes queued and not yet run (:meth:`flush` waits for them too)."""
 
     # -- trainer side --------------------------------------------------------
     def submit(self, job: SaveJob) -> None:
@@ -70,11 +75,30 @@ class Pipeline:
             if self._closed:
                 raise StateError("the pipeline is closed: this Checkpointer was closed")
             self._pending[job.step] = job
-            if self._thread is None:
-                name = f"shoal-pipeline-r{self.context.rank}"
-                self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-                self._thread.start()
+            self.removed.discard(job.step)  # saved again: this checkpoint is wanted
+            self._start()
         self._queue.put(job)
+
+    def remove(self, step: int) -> None:
+        """Delete ``step`` from this rank's tiers at the worker's next retention pass, queued now.
+
+        The worker runs the pass between checkpoints, as it runs retention after a commit; a
+        step in flight, or the one ``LATEST`` names, is deleted by the first pass after a newer
+        checkpoint committed.
+        """
+        with self._cond:
+            if self._closed:
+                raise StateError("the pipeline is closed: this Checkpointer was closed")
+            self.removed.add(step)
+            self._removals += 1
+            self._start()
+        self._queue.put(_Removal(step))
+
+    def _start(self) -> None:
+        if self._thread is None:
+            name = f"shoal-pipeline-r{self.context.rank}"
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
 
     def in_flight(self) -> dict[int, SaveHandle]:
         """Handles of the checkpoints queued or being processed, by step."""
@@ -91,10 +115,10 @@ class Pipeline:
             return self._pending.get(step)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted checkpoint is finished; False on timeout."""
+        """Wait until every submitted checkpoint is finished and every removal ran; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._pending:
+            while self._pending or self._removals:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -122,6 +146,19 @@ class Pipeline:
             job = self._queue.get()
             if job is None:
                 return
+            if isinstance(job, _Removal):
+                try:
+                    with self._cond:
+                        in_flight = [s for s in self._pending if s <= job.step]
+                    if not in_flight:  # else the pass after that checkpoint's commit deletes it
+                        self._retain(job.step)
+                except Exception:  # pragma: no cover - _retain logs its own failures
+                    log.exception("pipeline worker: unexpected error removing step %d", job.step)
+                finally:
+                    with self._cond:
+                        self._removals -= 1
+                        self._cond.notify_all()
+                continue
             try:
                 try:
                     abandoned = job.gate.wait()
@@ -182,6 +219,8 @@ class Pipeline:
                 yielded = True
             return yielded
 
+        with self._cond:
+            removed = sorted(self.removed)
         for tier, host_tier in work:
             catalog = ctx.host_catalog if host_tier else ctx.shared_catalog
             try:
@@ -195,6 +234,7 @@ class Pipeline:
                     writer=None if host_tier else writer,
                     summaries=self.summaries,
                     stop=stop,
+                    drop=removed,
                 )
             except Exception as e:
                 log.warning(
@@ -239,6 +279,13 @@ class Pipeline:
         return fence.lineage
 
 
+@dataclasses.dataclass(frozen=True)
+class _Removal:
+    """A queued request to delete ``step`` (:meth:`Pipeline.remove`)."""
+
+    step: int
+
+
 _MAX_DEFERRED = 4
 """Retention passes in a row that may yield to a waiting checkpoint; the next one runs whole."""
 
@@ -266,6 +313,7 @@ def run_retention(
     writer: str | Collection[str] | None = None,
     summaries: StepSummaries | None = None,
     stop: Callable[[], bool] | None = None,
+    drop: Collection[int] = (),
 ) -> tuple[int, tuple[str, ...]]:
     """One retention pass over ``tier``: keep the ``keep_last`` newest committed checkpoints.
 
@@ -278,7 +326,8 @@ def run_retention(
     and otherwise protect the packs they could reference. ``summaries``: each step's pack list
     kept from earlier passes (a manifest is decoded only when it is new or its files changed).
     ``stop``: asked before the listing and before each stage of deletes (:func:`retain`); when
-    it says so the pass ends there, and the next one finds what is left.
+    it says so the pass ends there, and the next one finds what is left. ``drop``: steps the user
+    removed, deleted even when among the ``keep_last`` newest (:func:`plan_retention`).
     """
     if stop is not None and stop():
         return 0, ()
@@ -296,5 +345,6 @@ def run_retention(
         horizon=horizon,
         writer=writer,
         problems={i.step: i.problem for i in infos if i.problem},
+        drop=drop,
     )
     return retain(tier, plan, stop=stop)

@@ -633,6 +633,13 @@ class Runtime:
         on_shared = newest_reached(self.shared, boundary)
         return max([*steps, *([] if on_shared is None else [on_shared])], default=None)
 
+    def remove(self, step: int) -> None:
+        """Have the pipeline delete ``step`` from this rank's tiers (:meth:`shoal.Checkpointer.remove`)."""
+        self.check_open()
+        with self._lock:  # once deleted, the step may be saved again (the shared tier's check still holds)
+            self._committed.discard(step)
+        self._pipeline.remove(step)
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every checkpoint this process staged is finished (or failed); False on timeout."""
         self.resolve_undecided("wait() was called")

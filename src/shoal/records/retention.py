@@ -86,6 +86,7 @@ def plan_retention(
     horizon: int,
     writer: str | Collection[str] | None = None,
     problems: Mapping[int, str] | None = None,
+    drop: Collection[int] = (),
 ) -> RetentionPlan:
     """Decide what to delete.
 
@@ -101,6 +102,9 @@ def plan_retention(
             writers it continues); steps whose manifest names another are left alone (None:
             every step counts as the writer's own).
         problems: step -> what is wrong with it, for damaged steps (for messages only).
+        drop: steps the user removed (:meth:`shoal.Checkpointer.remove`): deleted even when among the
+            ``keep_last`` newest, but never the one ``LATEST`` names, one newer than ``horizon``, or
+            another writer's.
     """
     if keep_last is not None and keep_last < 0:
         raise ValueError(f"keep_last must be None or >= 0, got {keep_last}")
@@ -113,7 +117,7 @@ def plan_retention(
     }
     ours = sorted(set(committed) - foreign)
     # Not ours[-keep_last:]: with keep_last == 0 that slice is the whole list.
-    keep = set(ours if keep_last is None else ours[max(0, len(ours) - keep_last) :])
+    keep = set(ours if keep_last is None else ours[max(0, len(ours) - keep_last) :]) - set(drop)
     if latest is not None:
         keep.add(latest)
     window = min(keep, default=None)
