@@ -87,6 +87,18 @@ def _starts(root: Path, tag: str) -> list[dict[str, Any]]:
     return [json.loads((root / "out" / f"{tag}-start-rank{r}.json").read_text()) for r in (0, 1)]
 
 
+def _kill(proc: subprocess.Popen[bytes], root: Path, tag: str) -> None:
+    """SIGKILL torchrun and each worker that said its pid (torchrun starts each in a session of its own)."""
+    for path in (root / "out").glob(f"{tag}-start-rank*.json") if proc.poll() is None else []:
+        pid = json.loads(path.read_text())["pid"]
+        with contextlib.suppress(OSError):  # (gone already: nothing to kill, and no other process's pid)
+            if SCRIPT.name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+    proc.kill()
+    proc.wait()
+    proc.log.close()  # type: ignore[attr-defined]
+
+
 @pytest.mark.timeout(400)
 def test_two_processes_killed_after_a_commit_resume_bit_exact(
     shm_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -109,12 +121,7 @@ def test_two_processes_killed_after_a_commit_resume_bit_exact(
         started = _starts(root, "first")
         assert [s["resumed"] for s in started] == [None, None] and started[0]["step"] == 0
     finally:
-        for pid in [s["pid"] for s in _starts(root, "first")] if marker.exists() else []:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)  # torchrun starts each worker in a session of its own
-        first.kill()
-        first.wait()
-        first.log.close()  # type: ignore[attr-defined]
+        _kill(first, root, "first")
 
     # the restart resumes from shoal step 2 (training step 9, mid-epoch 1 of the stateful dataloader),
     # trains to step 12 (saving shoal step 3 there) and writes its state at step 11 again
@@ -122,8 +129,7 @@ def test_two_processes_killed_after_a_commit_resume_bit_exact(
     try:
         assert second.wait(timeout=300) == 0, _log(root, "second")
     finally:
-        second.kill()
-        second.log.close()  # type: ignore[attr-defined]
+        _kill(second, root, "second")
     for start in _starts(root, "second"):
         assert (start["resumed"], start["step"], start["iteration"]) == (2, 9, 3)
     for rank in (0, 1):

@@ -39,11 +39,10 @@ __all__ = ["ShoalState", "use_shoal"]
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
-"""The version of the layout record saved with every checkpoint (``accelerate.layout``)."""
+FORMAT = 1  # of the layout record saved with every checkpoint (``accelerate.layout``)
 _REFUSED = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
+# saved by the main process, with the models (every process saves the models, optimizers and its RNG)
 _SECTIONS = ("optimizers", "schedulers", "dataloaders", "scaler", "custom")
-"""What the main process saves beside the models (every rank saves models, optimizers and its RNG)."""
 
 
 def use_shoal(accelerator: Accelerator, config: Config, *, wait_for: Boundary | None = None) -> ShoalState:
@@ -125,8 +124,8 @@ class ShoalState:
         head: dict[str, Any] = {"accelerate": {"layout": ""}}
         step = self.checkpointer.load(head, step, heal=False)
         layout = json.loads(head["accelerate"]["layout"])
-        if layout.get("format") != FORMAT:
-            raise StateMismatch(f"accelerate: step {step} has layout format {layout.get('format')}")
+        if layout["format"] != FORMAT:
+            raise StateMismatch(f"accelerate: step {step} has layout format {layout['format']}, not {FORMAT}")
         live = self._objects()
         for name, objects in [("models", acc._models), *live.items()]:
             if len(objects) != layout["counts"][name]:
@@ -163,10 +162,7 @@ class ShoalState:
         return step
 
     def resume(self) -> int | None:
-        """:meth:`load_state` of the newest restorable checkpoint, or None for a job that has none.
-
-        Raises :class:`CheckpointNotFound` if the shared tier holds checkpoints but none is restorable.
-        """
+        """:meth:`load_state` of the newest restorable checkpoint; None for a job with no checkpoint."""
         try:
             return self.load_state()
         except CheckpointNotFound:
