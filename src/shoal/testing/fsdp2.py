@@ -81,10 +81,11 @@ def load_resharded(rank: int, world_size: int, *, root: str, step: int) -> dict[
     _train(model, opt, range(1))  # the optimizer has state to load into (and wrong values in it)
     with shoal.Checkpointer(group_config(root)) as ckpt:
         model_sd, optim_sd = get_state_dict(model, opt)
-        state = {"model": model_sd, "optim": optim_sd}
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         loaded = ckpt.load(state, step=step)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     out = {"loaded": loaded, "state": _full(model, opt)}
     _train(model, opt, range(step, step + 1))
-    out["trained_on"] = all(torch.isfinite(p.full_tensor()).all().item() for p in model.parameters())
+    shards = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]  # DTensor shards
+    out["trained_on"] = all(bool(torch.isfinite(t).all()) for t in shards)
     return out
