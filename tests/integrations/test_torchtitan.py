@@ -5,13 +5,15 @@ own components and its checkpoint manager as the Trainer does: ``load(step=load_
 ``save(step, last_step=...)`` after every step. Three runs of two ranks (hosts ``h0``, ``h1``):
 
 1. the reference: torchtitan's own ``CheckpointManager`` (DCP to its folder), steps 1..8;
-2. shoal, ``async_mode="disabled"``: steps 1..5 (saves at 2 and 4), SIGKILLed once step 4 is
-   committed;
+2. shoal, ``async_mode="disabled"``, with no shoal checkpoint yet: ``initial_load_path`` loads the
+   reference's own DCP checkpoint of step 2 (``initial_load_model_only=False``), then steps 3..5
+   (a save at 4), SIGKILLed once step 4 is committed;
 3. shoal again, ``async_mode="async_with_pinned_mem"``: ``load()`` resumes step 4 and trains to 8
-   (saves 6 and 8); then ``load(step=6)``, as a restart with ``load_step=6`` does.
+   (saves 6 and 8, ``interval=2``); then ``load(step=6)``, as a restart with ``load_step=6`` does.
 
 Checked: the resumed step; model AND optimizer state (unsharded) bit-exact against the reference at
-steps 8 and 6; ``keep_latest_k=2`` on the shared tier after each run; ``interval``.
+steps 8 and 6; what is committed on the shared tier after each run (``interval``, and
+``keep_latest_k=2``: steps 6 and 8 only at the end).
 """
 
 from __future__ import annotations
@@ -70,14 +72,28 @@ def test_sigkill_then_resume_is_bit_exact_with_retention_and_load_step(
 ) -> None:
     where = {"root": str(tmp_path), "dram": str(dram_root), "steps": 8, "interval": 2, "keep_latest_k": 2}
     job_url = tmp_path / "shared" / "titan"
+    report = tmp_path / "first.pt"
 
-    ref = run_ranks(train, hosts=HOSTS, kwargs={**where, "stock": True, "record": (6, 8)}, timeout=240)[0]
+    stock = {**where, "stock": True, "record": (6, 8), "keep_latest_k": 0}  # it keeps its step 2
+    ref = run_ranks(train, hosts=HOSTS, kwargs=stock, timeout=240)[0]
     assert ref["loaded"] is False and sorted(ref["states"]) == [6, 8]
 
-    first = {**where, "async_mode": "disabled", "stop_after": 5, "kill": True}
+    initial = {
+        "initial_load_path": str(tmp_path / "stock" / "ckpt" / "step-2"),
+        "initial_load_model_only": False,
+    }
+    first = {
+        **where,
+        **initial,
+        "async_mode": "disabled",
+        "stop_after": 5,
+        "kill": True,
+        "report": str(report),
+    }
     assert run_ranks(train, hosts=HOSTS, kwargs=first, timeout=240, allow_death=[0, 1]) == [None, None]
-    # every save of `interval` 2 reached B4 before the kill, none other was made
-    assert committed(job_url, capsys) == ([2, 4], 4)
+    began = torch.load(report, weights_only=True)
+    assert began["loaded"] is True and began["start"] == 2  # torchtitan's own checkpoint of step 2
+    assert committed(job_url, capsys) == ([4], 4)  # the save at step 4 reached B4 before the kill
 
     second = {**where, "async_mode": "async_with_pinned_mem", "record": (8,), "reload": 6}
     run = run_ranks(train, hosts=HOSTS, kwargs=second, timeout=240)[0]

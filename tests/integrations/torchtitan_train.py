@@ -39,18 +39,31 @@ VOCAB = 256
 SEQ = 16
 
 
-class Tokens(IterableDataset):  # type: ignore[type-arg]
-    """Random token sequences, the same for a given dp rank on every run (torchtitan's batch shape)."""
+class Tokens(IterableDataset, Stateful):  # type: ignore[type-arg]
+    """Random token sequences in torchtitan's batch shape, sample ``i`` of a dp rank the same on every
+    run; stateful like torchtitan's own text datasets (its position is the sample index).
+
+    (Without a state of its own, torchdata 0.11's ``StatefulDataLoader`` fast-forwards an iterable
+    dataset, and then counts the skipped samples twice in its next state: resumed twice, it skips data.)
+    """
 
     def __init__(self, dp_rank: int, samples: int = 256) -> None:
         self.dp_rank = dp_rank
         self.samples = samples
+        self.sample_idx = 0
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        g = torch.Generator().manual_seed(1000 + self.dp_rank)
-        for _ in range(self.samples):
+        while self.sample_idx < self.samples:
+            g = torch.Generator().manual_seed(1_000_000 * (1 + self.dp_rank) + self.sample_idx)
+            self.sample_idx += 1
             t = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
             yield {"input": t[:-1]}, t[1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sample_idx": self.sample_idx}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.sample_idx = state_dict["sample_idx"]
 
 
 class TrainState(Stateful):
@@ -176,27 +189,34 @@ def train(
     reload: int | None = None,
     stock: bool = False,
     load_step: int = -1,
+    record_load: bool = False,
+    report: str | None = None,
     **checkpoint: Any,
 ) -> dict[str, Any] | None:
     """Train to ``steps`` (or to ``stop_after``) as torchtitan's Trainer does, saving every ``interval``.
 
-    ``record``: steps whose full state is returned. ``kill``: after step ``stop_after``, wait until
-    the newest save reached B4 and SIGKILL this rank. ``reload``: at the end, once every
-    checkpoint is committed, ``load(step=reload)`` (a restart with ``load_step``) and return the
-    state loaded.
+    ``record``: steps whose full state is returned (``record_load``: the state loaded, too).
+    ``kill``: after step ``stop_after``, wait until the newest save reached B4 and SIGKILL this
+    rank. ``reload``: at the end, once every checkpoint is committed, ``load(step=reload)`` (a
+    restart with ``load_step``) and return the state loaded. ``report``: rank 0 also writes what it
+    returns to this file (with ``torch.save``), before a kill.
     """
     import shoal
 
     job = build(world_size, rank, steps=steps)
     mgr = manager(job, root, dram, stock=stock, **checkpoint)
     out: dict[str, Any] = {"loaded": mgr.load(step=load_step), "start": job.train_state.step, "states": {}}
+    if record_load:
+        out["loaded_state"] = to_bytes(full_state(job))
     batches = iter(job.dataloader)
     while job.train_state.step < (stop_after or steps):
         job.train_state.step += 1
-        train_step(job, next(batches))
+        out["loss"] = train_step(job, next(batches))
         mgr.save(job.train_state.step, last_step=job.train_state.step == steps)
         if job.train_state.step in record:
             out["states"][job.train_state.step] = to_bytes(full_state(job))
+    if report is not None and rank == 0:
+        torch.save(out, report)
     if kill:
         assert mgr.last_save is not None
         mgr.last_save.wait(shoal.Boundary.RESTARTABLE, timeout=120)
