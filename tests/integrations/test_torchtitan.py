@@ -1,0 +1,108 @@
+"""torchtitan's CheckpointManager through shoal: two FSDP2 ranks (gloo), SIGKILLed, resumed bit-exact.
+
+torchtitan's ``Trainer`` needs CUDA (see ``torchtitan_train.py``), so each run drives torchtitan's
+own components and its checkpoint manager as the Trainer does: ``load(step=load_step)``, then
+``save(step, last_step=...)`` after every step. Three runs of two ranks (hosts ``h0``, ``h1``):
+
+1. the reference: torchtitan's own ``CheckpointManager`` (DCP to its folder), steps 1..8;
+2. shoal, ``async_mode="disabled"``, with no shoal checkpoint yet: ``initial_load_path`` loads the
+   reference's own DCP checkpoint of step 2 (``initial_load_model_only=False``), then steps 3..5
+   (a save at 4), SIGKILLed once step 4 is committed;
+3. shoal again, ``async_mode="async_with_pinned_mem"``: ``load()`` resumes step 4 and trains to 8
+   (saves 6 and 8, ``interval=2``); then ``load(step=6)``, as a restart with ``load_step=6`` does.
+
+Checked: the resumed step; model AND optimizer state (unsharded) bit-exact against the reference at
+steps 8 and 6; what is committed on the shared tier after each run (``interval``, and
+``keep_latest_k=2``: steps 6 and 8 only at the end).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+from shoal.cli.main import main as shoal_cli  # noqa: E402
+from shoal.testing.multiproc import run_ranks  # noqa: E402
+
+from .torchtitan_train import train  # noqa: E402
+
+HOSTS = ["h0", "h1"]
+
+
+def state_of(data: bytes) -> dict[str, Any]:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def assert_same(got: Any, want: Any, where: str = "") -> None:
+    """``got`` equals ``want`` exactly: tensors by ``torch.equal`` (and dtype), the rest by ``==``."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, where
+        if not torch.equal(got, want):
+            raise AssertionError(f"{where}: tensors differ (max |diff| {(got - want).abs().max().item()})")
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), f"{where}: keys {set(got) ^ set(want)}"
+        for k in want:
+            assert_same(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list | tuple):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def committed(job_url: Path, capsys: pytest.CaptureFixture[str]) -> tuple[list[int], int | None]:
+    """The steps ``shoal ls`` shows committed (B4) on the shared tier, and LATEST."""
+    capsys.readouterr()
+    assert shoal_cli(["ls", str(job_url), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    return sorted(c["step"] for c in doc["checkpoints"] if c["boundary"] == "RESTARTABLE"), doc["latest"]
+
+
+@pytest.mark.timeout(400)
+def test_sigkill_then_resume_is_bit_exact_with_retention_and_load_step(
+    tmp_path: Path, dram_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    where = {"root": str(tmp_path), "dram": str(dram_root), "steps": 8, "interval": 2, "keep_latest_k": 2}
+    job_url = tmp_path / "shared" / "titan"
+    report = tmp_path / "first.pt"
+
+    stock = {**where, "stock": True, "record": (6, 8), "keep_latest_k": 0}  # it keeps its step 2
+    ref = run_ranks(train, hosts=HOSTS, kwargs=stock, timeout=240)[0]
+    assert ref["loaded"] is False and sorted(ref["states"]) == [6, 8]
+
+    initial = {
+        "initial_load_path": str(tmp_path / "stock" / "ckpt" / "step-2"),
+        "initial_load_model_only": False,
+    }
+    first = {
+        **where,
+        **initial,
+        "async_mode": "disabled",
+        "stop_after": 5,
+        "kill": True,
+        "report": str(report),
+    }
+    assert run_ranks(train, hosts=HOSTS, kwargs=first, timeout=240, allow_death=[0, 1]) == [None, None]
+    began = torch.load(report, weights_only=True)
+    assert began["loaded"] is True and began["start"] == 2  # torchtitan's own checkpoint of step 2
+    assert committed(job_url, capsys) == ([4], 4)  # the save at step 4 reached B4 before the kill
+
+    second = {**where, "async_mode": "async_with_pinned_mem", "record": (8,), "reload": 6}
+    run = run_ranks(train, hosts=HOSTS, kwargs=second, timeout=240)[0]
+    assert run["loaded"] is True and run["start"] == 4
+    at8, want8 = state_of(run["states"][8]), state_of(ref["states"][8])
+    assert at8["train_state"] == {"step": 8, "ntokens_seen": 8 * 2 * 16}
+    assert_same(at8, want8, "step 8")
+    assert at8["optim"]["state"], "the optimizer state is compared, so it must not be empty"
+    # load_step=6: the checkpoint of step 6, bit-exact
+    assert run["reloaded"] is True
+    assert_same(state_of(run["reloaded_state"]), state_of(ref["states"][6]), "load_step 6")
+    assert committed(job_url, capsys) == ([6, 8], 8)  # keep_latest_k=2: steps 2 and 4 are gone
