@@ -24,7 +24,11 @@ def test_importing_shoal_imports_no_framework():
 
 
 def test_each_integration_imports_its_own_framework_only():
-    for module, own in (("lightning", "lightning"), ("accelerate", "accelerate")):
+    for module, own in (
+        ("lightning", "lightning"),
+        ("accelerate", "accelerate"),
+        ("torchtitan", "torchtitan"),
+    ):
         others = set(FRAMEWORKS) - {own, "pytorch_lightning"}
         code = f"import sys, shoal.integrations.{module}\n" + (
             f"print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in {others!r})))"
