@@ -106,3 +106,16 @@ def test_sigkill_then_resume_is_bit_exact_with_retention_and_load_step(
     assert run["reloaded"] is True
     assert_same(state_of(run["reloaded_state"]), state_of(ref["states"][6]), "load_step 6")
     assert committed(job_url, capsys) == ([6, 8], 8)  # keep_latest_k=2: steps 2 and 4 are gone
+
+
+def test_a_bad_keep_latest_k_or_step_id_is_refused_before_anything_starts() -> None:
+    from torchtitan.config.job_config import Checkpoint
+
+    from shoal.errors import ConfigError
+    from shoal.integrations.torchtitan import ShoalCheckpointManager, _step_of
+
+    with pytest.raises(ConfigError, match="keep_latest_k must be an int >= 0, got -1"):
+        ShoalCheckpointManager(None, [], None, None, {}, Checkpoint(enable=True, keep_latest_k=-1), None)
+    assert _step_of("/ckpt/step-12") == 12
+    with pytest.raises(ConfigError, match="names no step"):
+        _step_of("/ckpt/ft-replicat-0/latest")
