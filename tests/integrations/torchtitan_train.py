@@ -227,3 +227,12 @@ def train(
         out["reloaded_state"] = to_bytes(full_state(job))
     mgr.close()
     return out if rank == 0 else None
+
+
+def train_runs(
+    rank: int, world_size: int, *, runs: Sequence[dict[str, Any]], report: str, **common: Any
+) -> None:
+    """Several :func:`train` runs one after the other in these processes (one launch; imports once):
+    run ``i`` with ``common`` and ``runs[i]``; rank 0 writes each run's result to ``<report>.<i>``."""
+    for i, run in enumerate(runs):
+        train(rank, world_size, report=f"{report}.{i}", **{**common, **run})

@@ -186,7 +186,7 @@ class ShoalCheckpointManager(CheckpointManager):
             return self._initial_load()
         if MODEL in self.states:  # the model's entries are flattened into the states: set them
             self.states[MODEL].load_state_dict(states)
-        log.info("torchtitan: loaded step %d through shoal (%s)", loaded, self.shoal.last_load)
+        log.info("torchtitan: resumed from step %d through shoal", loaded)
         return True
 
     def _initial_load(self) -> bool:
