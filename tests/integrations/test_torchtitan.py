@@ -95,6 +95,9 @@ def test_sigkill_then_resume_is_bit_exact_with_retention_and_load_step(
     second = {**where, "async_mode": "async_with_pinned_mem", "record": (8,), "reload": 6}
     run = run_ranks(train, hosts=HOSTS, kwargs=second, timeout=240)[0]
     assert run["loaded"] is True and run["start"] == 4
+    # pinned-memory mode is shoal's async one (its own slab): step 6 through dcp.async_save, then
+    # the last step (8) synchronously, as torchtitan saves a last step
+    assert run["async_mode"] == "async" and run["async_saves"] == 1
     at8, want8 = state_of(run["states"][8]), state_of(ref["states"][8])
     assert at8["train_state"] == {"step": 8, "ntokens_seen": 8 * 2 * 16}
     assert_same(at8, want8, "step 8")

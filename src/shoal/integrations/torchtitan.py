@@ -168,9 +168,10 @@ class ShoalCheckpointManager(CheckpointManager):
     def load(self, step: int = -1) -> bool:
         """Load checkpoint ``step`` (-1: the newest restorable) into the states; False if there is none.
 
-        Step 0 (a seed checkpoint) loads the model only, as torchtitan does. With no checkpoint
-        at all, torchtitan's ``initial_load_path`` / ``initial_load_in_hf`` are honoured.
-        Collective, like torchtitan's own load.
+        Step 0 (a seed checkpoint: asked for, or the only one committed) loads the model only, as
+        torchtitan does. A checkpoint restored that had not been committed is saved again to reach
+        B4 (not with ``load_only``). With no checkpoint at all, torchtitan's ``initial_load_path`` /
+        ``initial_load_in_hf`` are honoured. Collective, like torchtitan's own load.
         """
         if self.shoal is None:
             return bool(super().load(step))
@@ -179,7 +180,7 @@ class ShoalCheckpointManager(CheckpointManager):
             wanted = 0  # only the seed checkpoint is committed
         states = self._states_to_load(model_only=wanted == 0)
         try:
-            loaded = self.shoal.load(states, step=wanted)
+            loaded = self.shoal.load(states, step=wanted, heal=not self.load_only)
         except CheckpointNotFound:
             if wanted is not None:
                 raise
