@@ -206,13 +206,16 @@ def train(
     job = build(world_size, rank, steps=steps)
     mgr = manager(job, root, dram, stock=stock, **checkpoint)
     out: dict[str, Any] = {"loaded": mgr.load(step=load_step), "start": job.train_state.step, "states": {}}
+    out["async_mode"], out["async_saves"] = str(mgr.async_mode.value), 0
     if record_load:
         out["loaded_state"] = to_bytes(full_state(job))
     batches = iter(job.dataloader)
     while job.train_state.step < (stop_after or steps):
         job.train_state.step += 1
         out["loss"] = train_step(job, next(batches))
+        pending = mgr.save_future
         mgr.save(job.train_state.step, last_step=job.train_state.step == steps)
+        out["async_saves"] += mgr.save_future not in (None, pending)  # a new dcp.async_save future
         if job.train_state.step in record:
             out["states"][job.train_state.step] = to_bytes(full_state(job))
     if report is not None and rank == 0:
@@ -227,3 +230,12 @@ def train(
         out["reloaded_state"] = to_bytes(full_state(job))
     mgr.close()
     return out if rank == 0 else None
+
+
+def train_runs(
+    rank: int, world_size: int, *, runs: Sequence[dict[str, Any]], report: str, **common: Any
+) -> None:
+    """Several :func:`train` runs one after the other in these processes (one launch; imports once):
+    run ``i`` with ``common`` and ``runs[i]``; rank 0 writes each run's result to ``<report>.<i>``."""
+    for i, run in enumerate(runs):
+        train(rank, world_size, report=f"{report}.{i}", **{**common, **run})

@@ -168,9 +168,10 @@ class ShoalCheckpointManager(CheckpointManager):
     def load(self, step: int = -1) -> bool:
         """Load checkpoint ``step`` (-1: the newest restorable) into the states; False if there is none.
 
-        Step 0 (a seed checkpoint) loads the model only, as torchtitan does. With no checkpoint
-        at all, torchtitan's ``initial_load_path`` / ``initial_load_in_hf`` are honoured.
-        Collective, like torchtitan's own load.
+        Step 0 (a seed checkpoint: asked for, or the only one committed) loads the model only, as
+        torchtitan does. A checkpoint restored that had not been committed is saved again to reach
+        B4 (not with ``load_only``). With no checkpoint at all, torchtitan's ``initial_load_path`` /
+        ``initial_load_in_hf`` are honoured. Collective, like torchtitan's own load.
         """
         if self.shoal is None:
             return bool(super().load(step))
@@ -179,14 +180,14 @@ class ShoalCheckpointManager(CheckpointManager):
             wanted = 0  # only the seed checkpoint is committed
         states = self._states_to_load(model_only=wanted == 0)
         try:
-            loaded = self.shoal.load(states, step=wanted)
+            loaded = self.shoal.load(states, step=wanted, heal=not self.load_only)
         except CheckpointNotFound:
             if wanted is not None:
                 raise
             return self._initial_load()
         if MODEL in self.states:  # the model's entries are flattened into the states: set them
             self.states[MODEL].load_state_dict(states)
-        log.info("torchtitan: loaded step %d through shoal (%s)", loaded, self.shoal.last_load)
+        log.info("torchtitan: resumed from step %d through shoal", loaded)
         return True
 
     def _initial_load(self) -> bool:
