@@ -192,7 +192,12 @@ def all_reduce_placement(rank: int, world: int) -> dict[str, Any]:
 
 def sleep_or_fail(rank: int, world: int, *, bad_rank: int | None = None, sleep: float = 600.0) -> None:
     """``bad_rank`` raises at once; every other rank sleeps ``sleep`` seconds (the harness's failure
-    and timeout paths: a rank that fails while the others go on, ranks that never finish)."""
+    and timeout paths: a rank that fails while the others go on, ranks that never finish).
+
+    Every rank first passes a barrier, so the job is fully formed when ``bad_rank`` fails: a rank
+    that leaves while a peer is still joining makes that peer fail too (its connection to the
+    leaver breaks), and the harness's "the others are killed" path would not be the one tested."""
+    dist.barrier()
     if rank == bad_rank:
         raise ValueError(f"rank {rank} fails on purpose")
     time.sleep(sleep)
