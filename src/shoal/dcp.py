@@ -478,8 +478,9 @@ class StorageWriter(_DcpStorageWriter, AsyncStager):
 class _DurabilityWatch(_DcpStorageWriter):
     """The writer DCP's checkpoint process runs after :meth:`StorageWriter.stage` (``PROCESS`` type).
 
-    It writes nothing: ``write_data`` follows the staging rank's event log (same host, same user;
-    records after the stage, by the host's monotonic clock) until the step's ``boundary`` record
+    It writes nothing: ``write_data`` follows the staging rank's event log (same host, same user:
+    opened without following a symlink, and only if this user owns it; records after the stage,
+    by the host's monotonic clock) until the step's ``boundary`` record
     reaches ``durable_at``, and raises :class:`~shoal.errors.CheckpointFailed` at its ``failed`` or
     ``skipped`` record.
     """
@@ -525,7 +526,7 @@ class _DurabilityWatch(_DcpStorageWriter):
     def _verdict(self) -> str | None:
         """None once ``durable_at`` is reached; raises on failure; else what is awaited."""
         try:
-            records = read_events(self.events, kinds=("boundary", "failed", "skipped"))
+            records = read_events(self.events, kinds=("boundary", "failed", "skipped"), private=True)
         except FileNotFoundError:
             return "the event log"
         for e in records:

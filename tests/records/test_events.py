@@ -13,7 +13,7 @@ import torch
 
 import shoal
 from shoal import failpoints
-from shoal.errors import ShoalError
+from shoal.errors import OwnershipError, ShoalError
 from shoal.records.events import (
     FORMAT_VERSION,
     CheckpointRecord,
@@ -48,6 +48,22 @@ def test_a_symlink_in_place_of_the_event_log_is_never_written_through(tmp_path):
     path.symlink_to(victim)
     EventLog(str(path)).emit("tick", 1)  # logs a warning, never raises into training
     assert victim.read_text() == "precious"
+
+
+def test_a_private_read_follows_no_symlink_and_refuses_a_log_another_user_owns(tmp_path):
+    path = str(tmp_path / "events.jsonl")
+    EventLog(path).emit("tick", 1)
+    assert [e.step for e in read_events(path, private=True)] == [1]
+    link = str(tmp_path / "link.jsonl")
+    os.symlink(path, link)
+    assert [e.step for e in read_events(link)] == [1]  # a person reading a log may follow a link
+    with pytest.raises(OwnershipError, match="link.jsonl is a symbolic link"):
+        read_events(link, private=True)
+    if os.geteuid() != 0:
+        pytest.skip("chown to another user needs root; the symlink case ran")
+    os.chown(path, 65534, 65534)
+    with pytest.raises(OwnershipError, match="events.jsonl"):
+        read_events(path, private=True)
 
 
 def test_every_line_carries_the_version_wall_and_monotonic_time(tmp_path):

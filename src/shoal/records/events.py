@@ -223,7 +223,9 @@ _TYPED: dict[str, tuple[type[Event], dict[str, tuple[type, ...]]]] = {
 }
 
 
-def read_events(path: str, *, kinds: Iterable[str] | None = None, rotated: bool = True) -> list[Event]:
+def read_events(
+    path: str, *, kinds: Iterable[str] | None = None, rotated: bool = True, private: bool = False
+) -> list[Event]:
     """Every event in the log at ``path``, oldest first, typed; ``kinds``: only these event names.
 
     With ``rotated`` the rotated file ``<path>.1`` (the older events) is read first when it is
@@ -232,10 +234,14 @@ def read_events(path: str, *, kinds: Iterable[str] | None = None, rotated: bool 
     the file and the line. A torn line (not JSON) is skipped when it is the file's last line
     (a crash while writing it) or when a ``torn`` event follows it (closed by the next writer);
     ``torn`` events themselves are not returned.
+
+    With ``private`` (a process that acts on what the log says, not a person reading it), each
+    file is opened as the writer opens it: no symlink followed, owned by this user, writable by
+    nobody else (:func:`~shoal.tiers.files.open_private`; :class:`~shoal.errors.OwnershipError`).
     """
     wanted = None if kinds is None else frozenset(kinds)
     events: list[Event] = []
-    for name, f in _open_log(path, rotated):
+    for name, f in _open_log(path, rotated, private):
         with f:
             events.extend(e for e in _parse(name, f) if wanted is None or e.event in wanted)
     return events
@@ -264,15 +270,21 @@ def writer_samples(
     ]
 
 
-def _open_log(path: str, rotated: bool) -> list[tuple[str, IO[str]]]:
+def _open_log(path: str, rotated: bool, private: bool = False) -> list[tuple[str, IO[str]]]:
     """The log's files, oldest first; the current one opened first, so a rotation in between
     shows as both names holding the same file (read once) rather than as events lost."""
-    current = open(path, encoding="utf-8")  # noqa: SIM115 - closed by the caller
+
+    def open_text(name: str) -> IO[str]:
+        if private:
+            return os.fdopen(open_private(name, os.O_RDONLY), encoding="utf-8")
+        return open(name, encoding="utf-8")  # noqa: SIM115 - closed by the caller
+
+    current = open_text(path)
     files: list[tuple[str, IO[str]]] = [(path, current)]
     older = path + ".1"
     if rotated and os.path.exists(older):
         try:
-            f = open(older, encoding="utf-8")  # noqa: SIM115 - closed by the caller
+            f = open_text(older)
         except FileNotFoundError:
             return files
         if os.fstat(f.fileno()).st_ino == os.fstat(current.fileno()).st_ino:
