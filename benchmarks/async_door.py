@@ -16,7 +16,8 @@ Single process (``no_dist=True``). Prints a Markdown table.
 The many-item state runs twice: nested under one key, as frameworks pass it (``{"model": ...}``),
 and with every tensor a top-level key. ``dcp.async_save`` itself wraps the ``state_dict()``
 resolution of each *top-level* key in its logging wrapper before it calls any stager (about 20 us
-a key, whichever writer): the third row shows that cost, which ``Checkpointer.save`` skips; the\ntable gives it (timed alone, on the same state) and the ratio without it.
+a key, whichever writer): the third row shows that cost, which ``Checkpointer.save`` skips; the
+table gives it (timed alone, on the same state) and the ratio without it.
 Usage: ``python benchmarks/async_door.py --gib 1 --count 20000 --bytes 1024 --repeats 5``.
 """
 
@@ -155,7 +156,8 @@ def main() -> None:
         pre = med(r["dcp_pre"])
         print(
             f"| {name} | {med(r['save']):.3f} s | {med(r['async']):.3f} s | {ratio:.2f} "
-            f"| {pre:.3f} s | {(med(r['async']) - pre) / med(r['save']):.2f} | {med(r['async_done']):.3f} s | {med(r['dcp_async']):.3f} s | {med(r['dcp_done']):.3f} s |"
+            f"| {pre:.3f} s | {(med(r['async']) - pre) / med(r['save']):.2f} | {med(r['async_done']):.3f} s "
+            f"| {med(r['dcp_async']):.3f} s | {med(r['dcp_done']):.3f} s |"
         )
         print(
             f"<!-- raw {name}: " + ", ".join(f"{k} {[round(x, 3) for x in v]}" for k, v in r.items()) + " -->"

@@ -269,3 +269,53 @@ def test_help_and_version(capsys):
     assert code == 0 and all(cmd in out for cmd in ("ls", "verify", "gc", "export", "demo"))
     code, out, _ = run(capsys, "--version")
     assert code == 0 and out.strip() == f"shoal {shoal.__version__}"
+
+
+# -- progress -------------------------------------------------------------------------------------
+
+
+def _stderr_on_a_terminal(*argv: str) -> tuple[int, bytes]:
+    """Run ``python -m shoal.cli ARGV`` with stderr on a pseudo-terminal: its exit code and what it drew."""
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal.cli", *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=slave,
+        env={**os.environ, "COLUMNS": "120", "TERM": "xterm"},
+    )
+    os.close(slave)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(master)
+    return proc.wait(timeout=120), drawn
+
+
+@pytest.mark.timeout(180)
+def test_gc_verify_and_export_draw_progress_on_a_terminal_and_stay_quiet_otherwise(job, tmp_path):
+    stray = Path(job["url"], layout.pack_path("000000000002-h0-r0-deadbeef"))
+    stray.write_bytes(b"x" * 1000)
+    for argv, label in (
+        (["verify", job["url"]], b"verifying"),
+        (["export", job["url"], "--format", "dcp", str(tmp_path / "dcp")], b"exporting step 3"),
+        (["gc", job["url"], "--keep-last", "1"], b"deleting"),
+    ):
+        code, drawn = _stderr_on_a_terminal(*argv)
+        assert code == 0, drawn
+        assert label in drawn, (argv, drawn)
+    assert not stray.exists()
+    # Not a terminal (a pipe, as in CI or a log file): no bar, no control codes.
+    proc = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "verify", job["url"]], capture_output=True, timeout=120
+    )
+    assert proc.returncode == 0 and b"verifying" not in proc.stderr and b"\x1b[" not in proc.stderr

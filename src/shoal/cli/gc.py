@@ -24,6 +24,7 @@ from shoal.boundary import Boundary
 from shoal.cli.common import (
     DEFAULT_JOB,
     CliError,
+    byte_progress,
     human_bytes,
     open_job,
     positive_int,
@@ -173,7 +174,9 @@ def run(args: argparse.Namespace) -> int:
         plan = gc.plan
         sizes = {pid: _pack_size(tier, pid) for pid in plan.delete_packs}
         if not args.dry_run:
-            apply_retention(tier, plan)
+            with byte_progress("deleting", sum(sizes.values())) as bar:
+                task = bar.task_ids[0]
+                apply_retention(tier, plan, progress=lambda n: bar.advance(task, n))
     finally:
         tier.close()
     out, err = stdout_console(), stderr_console()

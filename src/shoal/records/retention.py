@@ -176,7 +176,17 @@ class RemovesEmptyDirs(Protocol):
         ...
 
 
-def _delete(tier: Tier, plan: RetentionPlan, stop: Callable[[], bool] | None) -> int | None:
+_PACK_BATCH = 500
+"""Packs per delete request batch when someone follows the progress (an object store's bulk delete
+takes 1,000 keys: a pack and its index are two)."""
+
+
+def _delete(
+    tier: Tier,
+    plan: RetentionPlan,
+    stop: Callable[[], bool] | None,
+    progress: Callable[[int], None] | None = None,
+) -> int | None:
     """The deletes of :func:`retain`, stage by stage; the bytes freed, or None if ``stop`` said stop."""
     if stop is not None and stop():
         return None
@@ -196,19 +206,29 @@ def _delete(tier: Tier, plan: RetentionPlan, stop: Callable[[], bool] | None) ->
         return None
     sizes = tier.list_sizes(layout.PACKS_DIR + "/")
     freed = sum(sizes.get(layout.pack_path(pid), 0) for pid in plan.delete_packs)
-    tier.delete_many(
-        [p for pid in plan.delete_packs for p in (layout.pack_path(pid), layout.index_path(pid))]
-    )
+    batch = len(plan.delete_packs) if progress is None else _PACK_BATCH
+    for at in range(0, len(plan.delete_packs), batch):
+        pids = plan.delete_packs[at : at + batch]
+        tier.delete_many([p for pid in pids for p in (layout.pack_path(pid), layout.index_path(pid))])
+        if progress is not None:
+            progress(sum(sizes.get(layout.pack_path(pid), 0) for pid in pids))
     return freed
 
 
-def apply_retention(tier: Tier, plan: RetentionPlan) -> int:
-    """Delete what ``plan`` says; return bytes of packs freed (``shoal gc``; see :func:`retain`)."""
-    return retain(tier, plan)[0]
+def apply_retention(tier: Tier, plan: RetentionPlan, *, progress: Callable[[int], None] | None = None) -> int:
+    """Delete what ``plan`` says; return bytes of packs freed (``shoal gc``; see :func:`retain`).
+
+    ``progress`` is called with the bytes of each batch of packs deleted (for a progress bar).
+    """
+    return retain(tier, plan, progress=progress)[0]
 
 
 def retain(
-    tier: Tier, plan: RetentionPlan, *, stop: Callable[[], bool] | None = None
+    tier: Tier,
+    plan: RetentionPlan,
+    *,
+    stop: Callable[[], bool] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[int, tuple[str, ...]]:
     """Delete what ``plan`` says; return bytes of packs freed and the packs deleted.
 
@@ -221,8 +241,10 @@ def retain(
     of their files, then the packs. A step is never left committed without its manifest. ``stop``
     is asked before each stage: when it says so the rest waits for the next pass (what is left
     is what a next plan finds again: steps not yet uncommitted, or packs no kept step references).
+    With ``progress``, the packs go in batches of a few hundred and ``progress(bytes)`` is called
+    after each.
     """
-    done = _delete(tier, plan, stop)
+    done = _delete(tier, plan, stop, progress)
     if done is None:
         return 0, ()
     freed = done
