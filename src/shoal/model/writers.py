@@ -270,7 +270,7 @@ def fit_writers(
     tries = [optimize.minimize(neg, x0, method="Nelder-Mead", options=options) for x0 in starts]
     best = min(tries, key=lambda r: float(r.fun))
     best = optimize.minimize(neg, best.x, method="Nelder-Mead", options=options)  # restart: NM can stall
-    values = [float(v) for v in np.exp(best.x)]
+    values = [float(v) for v in np.exp(np.clip(best.x, -60.0, 60.0))]  # what neg() evaluated
     b_client, b_shared, sigma, tau = values[:4]
     lat, params = (values[4], 5) if latency else (0.0, 4)
     return WriterFit(family, b_client, b_shared, sigma, tau, -float(best.fun), len(d.seconds), lat, params)
