@@ -111,7 +111,7 @@ def _pointers(ckpt_dir: Path) -> dict[str, int]:
     out = {}
     for p in sorted(ckpt_dir.iterdir()):
         doc = json.loads(p.read_bytes())
-        assert doc["format"] == "shoal-lightning/1"
+        assert doc["format"] == "shoal-lightning/2"
         out[p.name] = doc["step"]
     return out
 

@@ -11,7 +11,8 @@ GradScaler, each process's python/numpy/torch/device RNG states, ``accelerator.s
 objects of ``register_for_checkpointing``, each prepared dataloader's epoch, seedable sampler and
 stateful position) as shoal checkpoint ``project_configuration.iteration``; ``load_state`` restores
 it exactly; ``total_limit`` is ``Config.keep_last``. Nothing is pickled: RNG states become tensors
-and numbers, and each section's structure (int keys, tuples, empty states) is saved beside it.
+and numbers, and each section is saved as :mod:`shoal.format.tree` encodes it (its tensors as items,
+its structure and plain values, such as int keys, tuples and empty states, as JSON beside them).
 FSDP, DeepSpeed, Megatron-LM and XLA, and save/load pre-hooks, are refused (:class:`ConfigError`).
 """
 
@@ -33,13 +34,14 @@ from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.config import Config
 from shoal.engine.handle import SaveHandle
-from shoal.errors import CheckpointExists, CheckpointNotFound, ConfigError, StateMismatch, UnsupportedValue
+from shoal.errors import CheckpointExists, CheckpointNotFound, ConfigError, StateMismatch
+from shoal.format import tree
 
 __all__ = ["ShoalState", "use_shoal"]
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # of the layout record saved with every checkpoint (``accelerate.layout``)
+FORMAT = 2  # of the layout record saved with every checkpoint (``accelerate.layout``)
 _REFUSED = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
 # saved by the main process, with the models (every process saves the models, optimizers and its RNG)
 _SECTIONS = ("optimizers", "schedulers", "dataloaders", "scaler", "custom")
@@ -101,7 +103,7 @@ class ShoalState:
             self._numbering_checked = True
         state, layout = self._state()
         if acc.is_main_process:
-            state["accelerate"] = {"layout": json.dumps(layout)}
+            state["accelerate"] = {"layout": json.dumps(layout, allow_nan=False)}
         handle = self.checkpointer.save(step, state)
         if not handle.skipped:
             acc.project_configuration.iteration = step + 1
@@ -137,17 +139,17 @@ class ShoalState:
         models = {str(i): _unwrap(acc, m).state_dict() for i, m in enumerate(acc._models)}
         # the layout again: a load that reads every item heals a checkpoint that was not yet committed
         target: dict[str, Any] = {"accelerate": {"layout": ""}, "models": models}
-        target.update({name: _build(skeleton[name]) for name in _SECTIONS})
+        target.update({name: tree.targets(skeleton[name]) for name in _SECTIONS})
         rank = acc.process_index
-        if rank < layout["num_processes"]:
-            target["rng"] = {str(rank): _build(skeleton["rng"])}
+        if rank < layout["num_processes"]:  # its RNG states: shaped as the main process's, its own values
+            target["rng"] = {str(rank): {"skeleton": "", "state": tree.targets(skeleton["rng"])}}
         else:
             log.warning("accelerate: step %d has no RNG states for process %d; it keeps its own", step, rank)
         self.checkpointer.load(target, step)
         for i, model in enumerate(acc._models):
             _unwrap(acc, model).load_state_dict(models[str(i)])
         for name in _SECTIONS:
-            values = _decode(skeleton[name], target[name])
+            values = tree.decode(skeleton[name], target[name])
             if name == "dataloaders":
                 for dl, saved in zip(acc._dataloaders, values, strict=True):
                     _set_dataloader(dl, saved)
@@ -155,7 +157,8 @@ class ShoalState:
                 for obj, saved in zip(live[name], values, strict=True):
                     obj.load_state_dict(saved)
         if "rng" in target:
-            _set_rng(_decode(skeleton["rng"], target["rng"][str(rank)]))
+            rng = target["rng"][str(rank)]
+            _set_rng(tree.decode(json.loads(rng["skeleton"]), rng["state"]))
         acc.step = layout["step"]
         acc.project_configuration.iteration = step + 1
         self._numbering_checked = False
@@ -187,14 +190,19 @@ class ShoalState:
         acc = self.accelerator
         live = self._objects()
         encoded = {
-            n: _encode([_dataloader_state(o) if n == "dataloaders" else o.state_dict() for o in objs], n)
+            n: tree.encode(
+                [_dataloader_state(o) if n == "dataloaders" else o.state_dict() for o in objs],
+                where=f"accelerate: {n}",
+            )
             for n, objs in live.items()
         }
-        rng, rng_skeleton = _encode(_rng_state(), f"rng.{acc.process_index}")
+        # each process's own RNG skeleton beside its states: their plain values (positions) are its own
+        rng, rng_skeleton = tree.encode(_rng_state(), where=f"accelerate: process {acc.process_index}'s RNG")
+        rng_json = json.dumps(rng_skeleton, allow_nan=False)
         state: dict[str, Any] = {
             "models": {str(i): _unwrap(acc, m).state_dict() for i, m in enumerate(acc._models)},
             "optimizers": encoded["optimizers"][0],
-            "rng": {str(acc.process_index): rng},
+            "rng": {str(acc.process_index): {"skeleton": rng_json, "state": rng}},
         }
         if acc.is_main_process:
             state.update({name: encoded[name][0] for name in _SECTIONS})
@@ -269,52 +277,3 @@ def _set_rng(state: dict[str, Any]) -> None:
     for device in set(state) - {"python", "numpy", "torch"}:
         module, value = torch.get_device_module(device), state[device]
         module.set_rng_state_all(value) if isinstance(value, list) else module.set_rng_state(value)
-
-
-# DCP names values by their keys as strings and a fresh object's state_dict() is no load target for a
-# trained one's (an optimizer's state is empty before its first step). So each section is saved with
-# string keys and lists, and its skeleton in the layout record says what it was: ["t", dtype, shape]
-# a tensor, ["v"] a plain value or flat sequence (saved whole), ["d", [[key, child], ...]] a dict,
-# ["l"|"u", [child, ...]] a list or tuple. The load target is built from it, what loads turned back.
-
-
-def _encode(value: Any, where: str) -> tuple[Any, list[Any]]:
-    """``(what is saved, its skeleton)`` for ``value`` (named ``where`` in errors)."""
-    if isinstance(value, torch.Tensor):
-        return value, ["t", str(value.dtype).removeprefix("torch."), list(value.shape)]
-    if isinstance(value, dict):
-        stored: dict[str, Any] = {}
-        children = []
-        for key, child in value.items():
-            if type(key) not in (str, int) or str(key) in stored:
-                raise UnsupportedValue(f"accelerate: {where}: key {key!r} (str and int keys, distinct, only)")
-            stored[str(key)], skeleton = _encode(child, f"{where}.{key}")
-            children.append([key, skeleton])
-        return stored, ["d", children]
-    if isinstance(value, list | tuple) and any(
-        isinstance(v, dict | list | tuple | torch.Tensor) for v in value
-    ):
-        pairs = [_encode(child, f"{where}.{i}") for i, child in enumerate(value)]
-        return [p[0] for p in pairs], ["u" if isinstance(value, tuple) else "l", [p[1] for p in pairs]]
-    return value, ["v"]
-
-
-def _build(skeleton: list[Any]) -> Any:
-    """A load target of the structure ``skeleton`` describes (empty tensors, None for plain values)."""
-    kind = skeleton[0]
-    if kind == "t":
-        return torch.empty(skeleton[2], dtype=getattr(torch, skeleton[1]))
-    if kind == "d":
-        return {str(key): _build(child) for key, child in skeleton[1]}
-    return None if kind == "v" else [_build(child) for child in skeleton[1]]
-
-
-def _decode(skeleton: list[Any], loaded: Any) -> Any:
-    """The value ``_encode`` was given, from what loading ``_build(skeleton)`` produced."""
-    kind = skeleton[0]
-    if kind in ("t", "v"):
-        return loaded
-    if kind == "d":
-        return {key: _decode(child, loaded[str(key)]) for key, child in skeleton[1]}
-    items = [_decode(child, v) for child, v in zip(skeleton[1], loaded, strict=True)]
-    return tuple(items) if kind == "u" else items

@@ -9,29 +9,26 @@ with these, every rank saves through one :class:`shoal.Checkpointer` (``save`` r
 
 At the file Lightning names, global rank 0 writes a JSON **pointer**: the shoal step (the
 checkpoint's ``global_step``), the job's shared URL, and the checkpoint without the tensors of
-``state_dict`` and ``optimizer_states`` (which shoal holds), as exact JSON: tensors as raw bytes;
-tuples, ``OrderedDict``, non-string keys and infinities tagged; a value only pickle could save is
-an :class:`~shoal.errors.UnsupportedValue` naming its place. ``ModelCheckpoint``'s listing, top-k and
-``"last"`` work on these files. A pointer is written when the save returns, at B1 (at ``wait_for``
-if set): it means *staged*. Loading restores its step from the nearest surviving copy or, if none
-survives, the newest restorable older step (the step holds its own JSON), with a warning. Saves at
-one ``global_step`` (``epoch=..-step=N.ckpt``, ``last.ckpt``) share a shoal step, removed once no
-pointer (in its directory, or written by this process) names it. shoal's ``keep_last`` is off.
+``state_dict`` and ``optimizer_states`` (which shoal holds) as exact JSON (:mod:`shoal.format.tree`;
+other tensors as raw bytes). A value only pickle could save is an :class:`~shoal.errors.UnsupportedValue`
+naming its place: convert it in ``on_save_checkpoint``, back in ``on_load_checkpoint``.
+``ModelCheckpoint``'s listing, top-k and ``"last"`` work on these files. A pointer is written when
+the save returns, at B1 (at ``wait_for`` if set): it means *staged*. Loading restores its step from
+the nearest surviving copy or, if none survives, the newest restorable older step (the step holds
+its own JSON), with a warning. Saves at one ``global_step`` (``epoch=..-step=N.ckpt``,
+``last.ckpt``) share a shoal step, removed once no pointer (in its directory, or written by this
+process) names it. shoal's ``keep_last`` is off.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
-import math
 import os
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
-import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
@@ -42,87 +39,17 @@ from torch.distributed.checkpoint import state_dict as dcp_sd
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.config import Config
-from shoal.errors import CheckpointExists, CheckpointNotFound, ConfigError, UnsupportedValue
+from shoal.errors import CheckpointExists, CheckpointNotFound, ConfigError
+from shoal.format import tree
+from shoal.tiers.files import AtomicRenameCommit
 
 __all__ = ["ShoalCheckpointIO", "ShoalDDPStrategy", "ShoalModelParallelStrategy"]
 
 log = logging.getLogger(__name__)
-FORMAT = "shoal-lightning/1"
+FORMAT = "shoal-lightning/2"
 _MAGIC = b'{"format": "shoal-lightning/'
 _BULK = ("state_dict", "optimizer_states")  # tensors under these go to shoal, the rest into JSON
 _SKELETON = "lightning"
-Key = tuple[str, ...]
-"""Where a tensor sits in the checkpoint: each key (or list index) as a string."""
-
-
-def _encode(value: Any, path: Key, bulk: dict[Key, torch.Tensor]) -> Any:
-    """``value`` as exact JSON; a tensor under ``_BULK`` is put in ``bulk`` and left as a reference."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"float": repr(value)}
-    if isinstance(value, torch.Tensor):
-        dtype = str(value.dtype).removeprefix("torch.")
-        if path[:1] and path[0] in _BULK:
-            if path in bulk:
-                raise ConfigError(f"Lightning checkpoint: two entries at {'/'.join(path)} (keys 1 and '1'?)")
-            bulk[path] = value
-            return {"tensor": [dtype, list(value.shape)]}
-        raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        return {"inline": [dtype, list(value.shape), base64.b64encode(raw).decode()]}
-    if isinstance(value, dict):
-        items = [[_encode(k, (), bulk), _encode(v, (*path, str(k)), bulk)] for k, v in value.items()]
-        return {"odict" if isinstance(value, OrderedDict) else "dict": items}
-    if isinstance(value, list | tuple):
-        items = [_encode(v, (*path, str(i)), bulk) for i, v in enumerate(value)]
-        return {"list" if isinstance(value, list) else "tuple": items}
-    if isinstance(value, torch.dtype):
-        return {"dtype": str(value).removeprefix("torch.")}
-    if isinstance(value, torch.device):
-        return {"device": str(value)}
-    raise UnsupportedValue(
-        f"Lightning checkpoint: the value at {'/'.join(path) or 'a key'} is a {type(value).__name__}: shoal "
-        "saves tensors and plain values (numbers, strings, None, dtypes, lists, tuples, dicts), never a "
-        "pickle; convert it in on_save_checkpoint and back in on_load_checkpoint"
-    )
-
-
-Lookup = Callable[[Key, torch.dtype, list[int]], torch.Tensor]
-
-
-def _decode(node: Any, path: Key, lookup: Lookup) -> Any:
-    """The value :func:`_encode` encoded; ``lookup`` gives each referenced tensor."""
-    if not isinstance(node, dict):
-        return node
-    ((tag, body),) = node.items()
-    if tag in ("dict", "odict"):
-        pairs = [(_decode(k, (), lookup), v) for k, v in body]
-        cls = OrderedDict if tag == "odict" else dict
-        return cls((k, _decode(v, (*path, str(k)), lookup)) for k, v in pairs)
-    if tag in ("list", "tuple"):
-        items = [_decode(v, (*path, str(i)), lookup) for i, v in enumerate(body)]
-        return items if tag == "list" else tuple(items)
-    if tag == "tensor":
-        return lookup(path, getattr(torch, body[0]), body[1])
-    if tag == "inline":
-        dtype, shape, raw = getattr(torch, body[0]), body[1], base64.b64decode(body[2])
-        if not raw:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
-    if tag == "float":
-        return float(body)
-    if tag == "dtype":
-        return getattr(torch, body)
-    if tag == "device":
-        return torch.device(body)
-    raise ConfigError(f"Lightning checkpoint: unknown tag {tag!r} at {'/'.join(path)}")
-
-
-def _put(root: dict[str, Any], path: Key, tensor: torch.Tensor) -> torch.Tensor:
-    for part in path[:-1]:
-        root = root.setdefault(part, {})
-    root[path[-1]] = tensor
-    return tensor
 
 
 class ShoalCheckpointIO(CheckpointIO):
@@ -148,7 +75,7 @@ class ShoalCheckpointIO(CheckpointIO):
         self.broadcast: Callable[[Any], Any] = lambda obj: obj
         self.is_writer = True  # global rank 0: reads and writes the pointers
         self._ckpt: Checkpointer | None = None
-        self._steps: dict[int, set[Key]] = {}  # steps this Checkpointer saved or loaded: their tensors
+        self._steps: dict[int, set[tree.Path]] = {}  # steps this Checkpointer saved or loaded: their tensors
         self._pointers: dict[str, int] = {}  # pointers written by this process, anywhere
 
     @property
@@ -171,12 +98,12 @@ class ShoalCheckpointIO(CheckpointIO):
         step, path = checkpoint.get("global_step"), _norm(path)
         if not isinstance(step, int):
             raise ConfigError(f"Lightning checkpoint for {path} has no int global_step: {step!r}")
-        bulk: dict[Key, torch.Tensor] = {}
-        skeleton = _encode(checkpoint, (), bulk)
+        stored, skeleton = tree.encode(
+            checkpoint, where="Lightning checkpoint", inline=lambda p: not p or p[0] not in _BULK
+        )
+        bulk = set(tree.paths(stored))
         if step not in self._steps:
-            state: dict[str, Any] = {_SKELETON: json.dumps(skeleton, allow_nan=False)}
-            for key, tensor in bulk.items():
-                _put(state, key, tensor)
+            state = {**stored, _SKELETON: json.dumps(skeleton, allow_nan=False)}
             try:
                 handle = self.checkpointer.save(step, state)
             except CheckpointExists as e:
@@ -189,11 +116,9 @@ class ShoalCheckpointIO(CheckpointIO):
                 return
             if self.wait_for is not None:
                 handle.wait(self.wait_for)
-            self._steps[step] = set(bulk)
-        elif not set(bulk) <= self._steps[step]:
-            raise ConfigError(
-                f"{path}: step {step} was saved without {sorted(set(bulk) - self._steps[step])}"
-            )
+            self._steps[step] = bulk
+        elif not bulk <= self._steps[step]:
+            raise ConfigError(f"{path}: step {step} was saved without {sorted(bulk - self._steps[step])}")
         orphans: list[int] = []
         if self.is_writer:
             before = (_read(path, self.config) or {}).get("step")
@@ -219,11 +144,10 @@ class ShoalCheckpointIO(CheckpointIO):
             return TorchCheckpointIO().load_checkpoint(path, map_location, weights_only=weights_only)
         if doc["shared"] != self.config.shared_url():
             raise ConfigError(f"{path} names shoal job {doc['shared']}, not {self.config.shared_url()}")
-        targets: dict[Key, torch.Tensor] = {}
-        _encode(live or {}, (), targets)
+        into = tree.encode(live or {}, where="Lightning live state")[0]  # stored-shaped, as targets wants
         step = doc["step"]
         try:
-            return self._load(doc["checkpoint"], step, targets)
+            return self._load(doc["checkpoint"], step, into)
         except CheckpointNotFound as e:
             probe = {_SKELETON: ""}
             older = self.checkpointer.load(probe, heal=False)
@@ -232,21 +156,13 @@ class ShoalCheckpointIO(CheckpointIO):
             log.warning(
                 "%s: step %d is not restorable (%s); loading %d, the newest that is", path, step, e, older
             )
-            return self._load(json.loads(probe[_SKELETON]), older, targets)
+            return self._load(json.loads(probe[_SKELETON]), older, into)
 
-    def _load(self, skeleton: Any, step: int, targets: dict[Key, torch.Tensor]) -> dict[str, Any]:
-        state: dict[str, Any] = {_SKELETON: ""}  # read too: a load of every item (healed if uncommitted)
-        loaded: set[Key] = set()
-
-        def target(path: Key, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-            live = targets.get(path)
-            loaded.add(path)
-            return _put(state, path, torch.empty(shape, dtype=dtype) if live is None else live)
-
-        checkpoint: dict[str, Any] = _decode(skeleton, (), target)
-        self.checkpointer.load(state, step=step)
-        self._steps[step] = loaded
-        return checkpoint
+    def _load(self, skeleton: Any, step: int, live: dict[str, Any]) -> dict[str, Any]:
+        stored = tree.targets(skeleton, live)
+        self.checkpointer.load({**stored, _SKELETON: ""}, step=step)  # every item: healed if uncommitted
+        self._steps[step] = set(tree.paths(stored))
+        return cast(dict[str, Any], tree.decode(skeleton, stored))
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the file at ``path``, and its shoal step once no pointer names it (every rank)."""
@@ -314,17 +230,10 @@ def _read(path: str, config: Config | None = None) -> dict[str, Any] | None:
 def _write(path: str, data: bytes) -> None:
     """Write the pointer whole or not at all (local: fsync'd, renamed into place)."""
     fs = get_filesystem(path)
-    if not isinstance(fs, LocalFileSystem):
+    if isinstance(fs, LocalFileSystem):
+        AtomicRenameCommit().write(os.path.abspath(path), data)
+    else:
         fs.pipe_file(path, data)  # an object store's put is atomic
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.shoal-tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class _OnEveryRank(ParallelStrategy):
@@ -379,12 +288,9 @@ class ShoalModelParallelStrategy(_OnEveryRank, ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.model is not None and self.lightning_module is not None
         model, offload = self.model, dcp_sd.StateDictOptions(cpu_offload=True)  # as for a save
-        live = {
-            "state_dict": dcp_sd.get_model_state_dict(model, options=offload),
-            "optimizer_states": [
-                dcp_sd.get_optimizer_state_dict(model, o, options=offload) for o in self.optimizers
-            ],
-        }
+        optimizers = [dcp_sd.get_optimizer_state_dict(model, o, options=offload) for o in self.optimizers]
+        state = dcp_sd.get_model_state_dict(model, options=offload)
+        live = {"state_dict": state, "optimizer_states": optimizers}
         checkpoint = self.shoal_io.load_checkpoint(checkpoint_path, live=live)
         strict = dcp_sd.StateDictOptions(strict=self.lightning_module.strict_loading)
         dcp_sd.set_model_state_dict(model, checkpoint.pop("state_dict"), options=strict)
