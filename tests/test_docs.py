@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from shoal.testing.checkpoints import assert_identical
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 TRAIN_STEP = """
@@ -64,26 +66,6 @@ def _adapt(block: str, replacements: dict[str, str]) -> str:
 
 def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {"model": copy.deepcopy(model.state_dict()), "optim": copy.deepcopy(opt.state_dict())}
-
-
-def _assert_same_bits(a: Any, b: Any, at: str = "state") -> None:
-    """``a`` and ``b`` hold the same keys and values; tensors the same dtype, shape and bytes."""
-    assert type(a) is type(b), f"{at}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{at}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
-        for k in a:
-            _assert_same_bits(a[k], b[k], f"{at}[{k!r}]")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), f"{at}: {len(a)} != {len(b)} entries"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same_bits(x, y, f"{at}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), (
-            f"{at}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
-        )
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), f"{at} differs"
-    else:
-        assert a == b, f"{at}: {a!r} != {b!r}"
 
 
 def test_readme_quickstart_saves_and_its_resume_block_restores_model_and_optimizer_in_a_fresh_process(
@@ -140,6 +122,6 @@ def test_readme_quickstart_saves_and_its_resume_block_restores_model_and_optimiz
     fresh = resumed["fresh"]
     assert not torch.equal(fresh["model"]["weight"], saved["model"]["weight"])  # loading had work to do
     assert fresh["optim"]["state"] == {}  # a fresh optimizer: no moments, no step count
-    _assert_same_bits(resumed["loaded"], saved)  # weights, exp_avg, exp_avg_sq, step, param groups
-    _assert_same_bits(resumed["after"], after)  # and training goes on exactly as without the restart
+    assert_identical(resumed["loaded"], saved)  # weights, exp_avg, exp_avg_sq, step, param groups
+    assert_identical(resumed["after"], after)  # and training goes on exactly as without the restart
     assert resumed["old_pattern_optim_state"] == {}  # what the quickstart's old pattern restored

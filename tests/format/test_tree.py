@@ -5,7 +5,6 @@ from __future__ import annotations
 import doctest
 import json
 import math
-import struct
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from hypothesis import strategies as st
 import shoal
 from shoal.errors import ConfigError, FormatError, UnsupportedValue
 from shoal.format import tree
-from shoal.testing.checkpoints import make_config
+from shoal.testing.checkpoints import assert_identical, make_config
 
 
 def _load_by_hand(skeleton: Any, stored: dict[str, Any]) -> dict[str, Any]:
@@ -45,29 +44,6 @@ def _bits(t: torch.Tensor) -> bytes:
     return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).tolist())
 
 
-def _assert_exact(actual: Any, expected: Any, where: str = "") -> None:
-    """Equal type by type and bit by bit (floats: -0.0 is not 0.0; nan is nan; dict order too)."""
-    assert type(actual) is type(expected), (where, type(actual), type(expected))
-    if isinstance(expected, torch.Tensor):
-        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), where
-        assert _bits(actual) == _bits(expected), where
-    elif isinstance(expected, dict):
-        assert list(actual) == list(expected), where
-        for (ka, va), (ke, ve) in zip(actual.items(), expected.items(), strict=True):
-            _assert_exact(ka, ke, f"{where} key")
-            _assert_exact(va, ve, f"{where}/{ke}")
-    elif isinstance(expected, list | tuple):
-        assert len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            _assert_exact(a, e, f"{where}/{i}")
-    elif isinstance(expected, float) and math.isnan(expected):
-        assert math.isnan(actual), where
-    elif isinstance(expected, float):
-        assert struct.pack("<d", actual) == struct.pack("<d", expected), where
-    else:
-        assert actual == expected, where
-
-
 PLAIN = {
     1: "an int key",
     "1.5": 1.5,
@@ -85,7 +61,7 @@ PLAIN = {
 def test_nested_containers_key_types_and_plain_values_round_trip_exactly() -> None:
     stored, _ = tree.encode(PLAIN, where="test")
     assert stored == {}  # no tensor: nothing for shoal, all of it in the skeleton
-    _assert_exact(_round_trip(PLAIN), PLAIN)
+    assert_identical(_round_trip(PLAIN), PLAIN)
 
 
 def _tensors() -> dict[str, Any]:
@@ -118,7 +94,7 @@ def test_tensors_round_trip_bit_exact_stored_or_inline(inline: bool) -> None:
     assert len(tree.paths(stored)) == (0 if inline else len(_tensors()) + 2)
     back = _round_trip(value, inline=lambda path: inline)
     expected = {"state": {0: {**_tensors(), "param": torch.ones(2)}, "list": value["state"]["list"]}}
-    _assert_exact(back, expected)  # a Parameter comes back as a plain tensor of its bits
+    assert_identical(back, expected)  # a Parameter comes back as a plain tensor of its bits
     assert back["state"][0]["transposed"].shape == (6, 4)
 
 
@@ -130,7 +106,7 @@ def test_stored_tensors_are_the_values_own_at_their_paths_and_inline_decides_per
     assert stored["model"]["w"] is w and stored["optim"]["0"]["state"]["3"] is b  # not copied
     assert skeleton["dict"][2][1]["dict"][0][1]["inline"][:2] == ["float32", [2]]
     assert skeleton["dict"][0][1] == {"odict": [["w", {"tensor": ["float32", [2]]}]]}
-    _assert_exact(_round_trip(value, inline=lambda path: path[0] == "callbacks"), value)
+    assert_identical(_round_trip(value, inline=lambda path: path[0] == "callbacks"), value)
 
 
 def test_targets_have_each_stored_tensors_dtype_and_shape_or_the_live_tensor_at_its_path() -> None:
@@ -229,7 +205,7 @@ _VALUES = st.recursive(
 @settings(max_examples=200, deadline=None)
 @given(_VALUES)
 def test_any_nested_plain_value_round_trips_exactly_through_json(value: Any) -> None:
-    _assert_exact(_round_trip(value), value)
+    assert_identical(_round_trip(value), value)
 
 
 def test_stored_state_and_skeleton_round_trip_through_a_checkpointer(tmp_path: Path, dram_root: Path) -> None:
@@ -244,4 +220,4 @@ def test_stored_state_and_skeleton_round_trip_through_a_checkpointer(tmp_path: P
         skeleton = json.loads(head["skeleton"])
         state = {"tree": tree.targets(skeleton), "skeleton": ""}
         ckpt.load(state, 1)
-    _assert_exact(tree.decode(skeleton, state["tree"]), value)
+    assert_identical(tree.decode(skeleton, state["tree"]), value)

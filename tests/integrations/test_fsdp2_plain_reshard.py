@@ -2,28 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
 import pytest
 
+from shoal.testing.checkpoints import assert_identical
 from shoal.testing.multiproc import run_ranks
-
-
-def _assert_same(got: Any, want: Any, where: str = "") -> None:
-    if isinstance(want, np.ndarray):
-        assert isinstance(got, np.ndarray) and got.dtype == want.dtype and got.shape == want.shape, where
-        assert np.array_equal(got, want), where
-    elif isinstance(want, dict):
-        assert set(got) == set(want), where
-        for k in want:
-            _assert_same(got[k], want[k], f"{where}/{k}")
-    elif isinstance(want, list | tuple):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            _assert_same(g, w, f"{where}/{i}")
-    else:
-        assert got == want, where
 
 
 @pytest.mark.timeout(300)
@@ -36,5 +18,5 @@ def test_fsdp2_saved_on_four_ranks_resumes_on_two(tmp_path):
     expected = saved[0]
     assert expected["optim"]["state"], "Adam has state after three steps"
     assert [r["loaded"] for r in resumed] == [3, 3] and all(r["trained_on"] for r in resumed)
-    _assert_same(resumed[0]["state"], expected)  # the full state is gathered on rank 0 (cpu_offload)
+    assert_identical(resumed[0]["state"], expected)  # the full state is gathered on rank 0 (cpu_offload)
     assert expected["model"]["0.weight"].shape == (96, 64)

@@ -19,9 +19,10 @@ import torch
 
 pytest.importorskip("torchtitan")
 
+from shoal.testing.checkpoints import assert_identical  # noqa: E402
 from shoal.testing.multiproc import run_ranks  # noqa: E402
 
-from .test_torchtitan import assert_same, committed, state_of  # noqa: E402
+from .test_torchtitan import committed, state_of  # noqa: E402
 from .torchtitan_train import train  # noqa: E402
 
 
@@ -42,7 +43,7 @@ def test_four_ranks_save_two_ranks_resume_bit_exact(
     assert run["loaded"] is True and run["start"] == 2
     loaded = state_of(run["loaded_state"])
     assert loaded["optim"]["state"], "the Adam state is compared, so it must not be empty"
-    assert_same(loaded, saved, "4 -> 2 ranks")
+    assert_identical(loaded, saved, "4 -> 2 ranks")
     # training goes on from there: two more steps on 2 ranks, saved at step 4
     after = state_of(run["states"][4])
     assert after["train_state"]["step"] == 4 and math.isfinite(run["loss"])

@@ -37,6 +37,7 @@ import shoal  # noqa: E402
 from shoal.cli.main import main as shoal_cli  # noqa: E402
 from shoal.format import layout  # noqa: E402
 from shoal.integrations.lightning import ShoalCheckpointIO  # noqa: E402
+from shoal.testing.checkpoints import assert_identical
 
 from .lightning_train import Net  # noqa: E402
 
@@ -284,24 +285,6 @@ def _final(trainer: L.Trainer) -> dict[str, Any]:
     return copy.deepcopy(state)
 
 
-def _assert_identical(actual: Any, expected: Any, where: str = "") -> None:
-    """Equal value by value and type by type (tensors: dtype, shape and bits; dict order too)."""
-    assert type(actual) is type(expected), (where, type(actual), type(expected))
-    if isinstance(expected, torch.Tensor):
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
-        assert torch.equal(actual, expected), where
-    elif isinstance(expected, dict):
-        assert list(actual) == list(expected), where
-        for k, v in expected.items():
-            _assert_identical(actual[k], v, f"{where}/{k}")
-    elif isinstance(expected, list | tuple):
-        assert len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            _assert_identical(a, e, f"{where}/{i}")
-    else:
-        assert actual == expected, where
-
-
 def _io(root: Path, dram: Path) -> ShoalCheckpointIO:
     return ShoalCheckpointIO(
         shoal.Config(shared=str(root / "shared"), local=str(root / "local"), dram=str(dram), job="one")
@@ -327,11 +310,11 @@ def test_checkpoint_io_resumes_from_last_bit_exact_keeps_lightnings_top_k_and_re
     assert first["global_step"] == last["global_step"] == 4
     io = _io(root, shm_path / "run")
     try:
-        _assert_identical(io.load_checkpoint(root / "ckpts" / "epoch=0-step=4.ckpt"), first)
-        _assert_identical(io.load_checkpoint(root / "ckpts" / "last.ckpt"), last)
+        assert_identical(io.load_checkpoint(root / "ckpts" / "epoch=0-step=4.ckpt"), first)
+        assert_identical(io.load_checkpoint(root / "ckpts" / "last.ckpt"), last)
         # a .ckpt written by Lightning's own CheckpointIO is loaded by it
         torch.save(last, root / "plain.ckpt")
-        _assert_identical(io.load_checkpoint(root / "plain.ckpt"), last)
+        assert_identical(io.load_checkpoint(root / "plain.ckpt"), last)
     finally:
         io.teardown()
     # resumed from last.ckpt (step 4) to 6: the same model and optimizer as 6 steps straight
@@ -369,7 +352,7 @@ def test_a_pointer_whose_step_has_no_surviving_copy_loads_the_newest_restorable_
         io.teardown()
     assert "step 4 is not restorable" in caplog.text and "loading 2, the newest" in caplog.text
     # step 2 as it was saved (its own dict, kept in the step itself)
-    _assert_identical(checkpoint, model.saved[0])
+    assert_identical(checkpoint, model.saved[0])
 
 
 @pytest.mark.timeout(300)
@@ -396,7 +379,7 @@ def test_pointers_share_a_step_which_is_removed_with_the_last_pointer_naming_it(
         assert io.checkpointer.wait(60)
         assert _pointers(ckpts) == {"epoch=0-step=5.ckpt": 5, "last.ckpt": 5}
         assert _committed(tmp_path / "shared" / "one", capsys) == ([5], 5)
-        _assert_identical(io.load_checkpoint(ckpts / "last.ckpt"), {**checkpoint, "global_step": 5})
+        assert_identical(io.load_checkpoint(ckpts / "last.ckpt"), {**checkpoint, "global_step": 5})
     finally:
         io.teardown()
     # a new run that went back (its own Checkpointer): step 5 is committed already

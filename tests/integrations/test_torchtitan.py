@@ -30,6 +30,7 @@ import torch
 pytest.importorskip("torchtitan")
 
 from shoal.cli.main import main as shoal_cli  # noqa: E402
+from shoal.testing.checkpoints import assert_identical
 from shoal.testing.multiproc import run_ranks  # noqa: E402
 
 from .torchtitan_train import train, train_runs  # noqa: E402
@@ -39,24 +40,6 @@ HOSTS = ["h0", "h1"]
 
 def state_of(data: bytes) -> dict[str, Any]:
     return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def assert_same(got: Any, want: Any, where: str = "") -> None:
-    """``got`` equals ``want`` exactly: tensors by ``torch.equal`` (and dtype), the rest by ``==``."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, where
-        if not torch.equal(got, want):
-            raise AssertionError(f"{where}: tensors differ (max |diff| {(got - want).abs().max().item()})")
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and set(got) == set(want), f"{where}: keys {set(got) ^ set(want)}"
-        for k in want:
-            assert_same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, list | tuple):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, f"{where}: {got!r} != {want!r}"
 
 
 def committed(job_url: Path, capsys: pytest.CaptureFixture[str]) -> tuple[list[int], int | None]:
@@ -100,11 +83,11 @@ def test_sigkill_then_resume_is_bit_exact_with_retention_and_load_step(
     assert run["async_mode"] == "async" and run["async_saves"] == 1
     at8, want8 = state_of(run["states"][8]), state_of(ref["states"][8])
     assert at8["train_state"] == {"step": 8, "ntokens_seen": 8 * 2 * 16}
-    assert_same(at8, want8, "step 8")
+    assert_identical(at8, want8, "step 8")
     assert at8["optim"]["state"], "the optimizer state is compared, so it must not be empty"
     # load_step=6: the checkpoint of step 6, bit-exact
     assert run["reloaded"] is True
-    assert_same(state_of(run["reloaded_state"]), state_of(ref["states"][6]), "load_step 6")
+    assert_identical(state_of(run["reloaded_state"]), state_of(ref["states"][6]), "load_step 6")
     assert committed(job_url, capsys) == ([6, 8], 8)  # keep_latest_k=2: steps 2 and 4 are gone
 
 
@@ -135,5 +118,5 @@ def test_torchtitans_own_trainer_resumes_load_step_bit_exact(
     assert first["loaded"] is None and resumed["loaded"] == 4  # --checkpoint.load_step=4
     want, got = state_of(first["state"]), state_of(resumed["state"])
     assert got["train_state"]["step"] == 8 and got["optim"]["state"]
-    assert_same(got, want, "Trainer at step 8")
+    assert_identical(got, want, "Trainer at step 8")
     assert committed(tmp_path / "shared" / "trainer", capsys) == ([4, 6, 8], 8)  # keep_latest_k=3

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,6 +107,41 @@ def assert_state_equal(actual: Mapping[str, Any], expected: Mapping[str, Any], p
             assert_state_equal(a, e, where + ".")
         else:
             assert a == e, f"{where}: {a!r} != {e!r}"
+
+
+def assert_identical(actual: Any, expected: Any, where: str = "", *, ordered: bool = True) -> None:
+    """``actual`` is ``expected`` rebuilt: type by type (a tuple is no list, a bool no int) and bit
+    by bit (tensors and numpy arrays: dtype, shape and bytes; floats: ``-0.0`` is not ``0.0``, nan
+    is nan); dict keys compared as values too, and in order unless ``ordered=False``. The message
+    names the place (``where``/key/index)."""
+    import numpy as np
+
+    assert type(actual) is type(expected), f"{where or 'value'}: {type(actual)} is not {type(expected)}"
+    if isinstance(expected, torch.Tensor):
+        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), (
+            f"{where}: {actual.dtype}{tuple(actual.shape)} != {expected.dtype}{tuple(expected.shape)}"
+        )
+        if not torch.equal(bits(actual), bits(expected)):
+            raise AssertionError(f"{where}: tensors differ")
+    elif isinstance(expected, np.ndarray):
+        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), where
+        assert actual.tobytes() == expected.tobytes(), f"{where}: arrays differ"
+    elif isinstance(expected, dict):
+        keys, want = list(actual), list(expected)
+        assert (keys == want) if ordered else (set(keys) == set(want)), f"{where}: keys {keys} != {want}"
+        for k in want:
+            match = next(a for a in keys if a == k)
+            assert_identical(match, k, f"{where} key {k!r}")
+            assert_identical(actual[k], expected[k], f"{where}/{k}", ordered=ordered)
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), f"{where}: {len(actual)} items != {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_identical(a, e, f"{where}/{i}", ordered=ordered)
+    elif isinstance(expected, float):
+        same = math.isnan(actual) if math.isnan(expected) else struct.pack("<d", actual) == struct.pack("<d", expected)
+        assert same, f"{where}: {actual!r} != {expected!r}"
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
 def pack_bytes_on(tier: Tier) -> int:
