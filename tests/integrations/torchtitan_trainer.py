@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import os
 import types
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import IterableDataset
 
+from . import torchtitan_train as train
 from .torchtitan_train import SEQ, VOCAB, to_bytes
 
 
@@ -57,25 +55,11 @@ def run_on_cpu() -> None:
             module.device_module = cpu
 
 
-class Tokens(IterableDataset, Stateful):  # type: ignore[type-arg]
+class Tokens(train.Tokens):
     """Endless random token sequences, sample ``i`` of a dp rank the same on every run."""
 
     def __init__(self, dp_rank: int) -> None:
-        self.dp_rank = dp_rank
-        self.sample_idx = 0
-
-    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        while True:
-            g = torch.Generator().manual_seed(1_000_000 * (1 + self.dp_rank) + self.sample_idx)
-            self.sample_idx += 1
-            t = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
-            yield {"input": t[:-1]}, t[1:]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"sample_idx": self.sample_idx}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.sample_idx = state_dict["sample_idx"]
+        super().__init__(dp_rank, samples=2**62)
 
 
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer: Any, job_config: Any, **_: Any) -> Any:
