@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
@@ -269,3 +270,22 @@ def test_one_failing_pack_upload_fails_the_checkpoint_and_commits_nothing(tmp_pa
 def test_drain_settings_out_of_range_are_refused(tmp_path, dram_root, field, value):
     with pytest.raises(shoal.ConfigError, match=f"Config.{field}"):
         make_config(tmp_path, dram_root, **{field: value})
+
+
+def test_a_load_that_leaves_saved_optimizer_state_behind_says_so(tmp_path, dram_root, caplog):
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    with shoal.Checkpointer(make_config(tmp_path, dram_root)) as ckpt:
+        ckpt.save(1, {"model": model.state_dict(), "optim": opt.state_dict()}).wait(timeout=60)
+        fresh = torch.optim.Adam(torch.nn.Linear(4, 3).parameters())
+        with caplog.at_level(logging.WARNING, logger="shoal.engine.restore"):
+            ckpt.load({"model": torch.nn.Linear(4, 3).state_dict()})  # the model alone: a choice
+        assert not [r for r in caplog.records if "not read" in r.getMessage()]
+        with caplog.at_level(logging.WARNING, logger="shoal.engine.restore"):
+            ckpt.load({"model": torch.nn.Linear(4, 3).state_dict(), "optim": fresh.state_dict()})
+        (warning,) = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+        assert "load of step 1: 6 saved item(s) under 'optim' were not in the target" in warning
+        assert "optim.state.0.step, optim.state.0.exp_avg" in warning
+        assert "get_optimizer_state_dict" in warning

@@ -86,6 +86,33 @@ class LoadReport:
         return self.bytes_by_tier.get(SHARED, 0)
 
 
+def _warn_unread(step: int, saved: list[str], wanted: set[str]) -> None:
+    """Say what a partial load left behind *inside* the parts it loaded (the coordinator, once).
+
+    Loading ``{"model": ...}`` alone from a checkpoint that also holds ``"optim"`` is a choice and
+    says nothing. But items missing under a top-level key the target has are usually a mistake
+    made silently: a fresh optimizer's ``state_dict()`` has no per-parameter state, so its moments
+    are never asked for and training resumes with new ones.
+    """
+    tops = {key.split(".", 1)[0] for key in wanted}
+    unread = [key for key in saved if key not in wanted and key.split(".", 1)[0] in tops]
+    if not unread:
+        return
+    where = sorted({key.split(".", 1)[0] for key in unread})
+    log.warning(
+        "load of step %d: %d saved item(s) under %s were not in the target and were not read "
+        "(%s%s). If the target holds a fresh optimizer's state_dict(), it has no per-parameter "
+        "state to load into: build it with "
+        "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer) "
+        "(or after one step) instead",
+        step,
+        len(unread),
+        ", ".join(repr(w) for w in where),
+        ", ".join(unread[:3]),
+        ", ..." if len(unread) > 3 else "",
+    )
+
+
 @dataclass
 class _Stats:
     by_tier: dict[str, int] = field(default_factory=dict)
@@ -239,6 +266,8 @@ class Restore:
                 wanted = {k for keys in self._needs for k in keys}
                 full = all(k in wanted or not rec.nbytes for k, rec in manifest.items.items())
                 plan = dataclasses.replace(plan, complete=full)
+                if not full:
+                    _warn_unread(manifest.step, list(manifest.items), wanted)
         plan = self._agree(plan)  # R4
         self._complete = plan.complete
         return plan

@@ -138,7 +138,10 @@ def assert_identical(actual: Any, expected: Any, where: str = "", *, ordered: bo
         for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
             assert_identical(a, e, f"{where}/{i}", ordered=ordered)
     elif isinstance(expected, float):
-        same = math.isnan(actual) if math.isnan(expected) else struct.pack("<d", actual) == struct.pack("<d", expected)
+        if math.isnan(expected):
+            same = math.isnan(actual)
+        else:
+            same = struct.pack("<d", actual) == struct.pack("<d", expected)
         assert same, f"{where}: {actual!r} != {expected!r}"
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
