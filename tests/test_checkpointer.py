@@ -289,3 +289,23 @@ def test_a_load_that_leaves_saved_optimizer_state_behind_says_so(tmp_path, dram_
         assert "load of step 1: 6 saved item(s) under 'optim' were not in the target" in warning
         assert "optim.state.0.step, optim.state.0.exp_avg" in warning
         assert "get_optimizer_state_dict" in warning
+
+
+def test_the_coordinator_logs_one_line_per_checkpoint_with_stall_b4_bytes_and_path(
+    tmp_path, dram_root, caplog
+):
+    state = {"w": torch.arange(1 << 18, dtype=torch.float32)}  # 1 MiB
+    config = make_config(tmp_path, dram_root)
+    with caplog.at_level(logging.INFO, logger="shoal.engine.group_save"), shoal.Checkpointer(config) as ckpt:
+        ckpt.save(1, state).wait(timeout=60)
+        ckpt.save(2, state).wait(timeout=60)  # the same bytes: all deduplicated
+        ckpt.wait(60)
+    lines = [r.getMessage() for r in caplog.records if r.name == "shoal.engine.group_save"]
+    summary = [m for m in lines if re.match(r"step \d: stall ", m)]
+    assert len(summary) == 2, lines
+    assert re.fullmatch(
+        r"step 1: stall \d+\.\d{3} s, B4 after \d+\.\d{3} s, "
+        r"1\.0 MiB new, 0\.0 MiB deduplicated of 1\.0 MiB, path direct",
+        summary[0],
+    )
+    assert "step 2:" in summary[1] and "0.0 MiB new, 1.0 MiB deduplicated of 1.0 MiB" in summary[1]

@@ -177,6 +177,26 @@ class GroupSave:
         finally:
             self._record_path()
             emit_checkpoint(ctx, self.job, None if self.decision is None else self.decision.path)
+            self._log_summary()
+
+    def _log_summary(self) -> None:
+        """Coordinator: one INFO line per checkpoint that reached B4 (what an operator tails)."""
+        h, plan = self.job.handle, self.plan
+        if not self.ctx.fabric.is_coordinator or plan is None or h.reached is not Boundary.RESTARTABLE:
+            return
+        times = h.times
+        mib = 1 << 20
+        log.info(
+            "step %d: stall %.3f s, B4 after %.3f s, %.1f MiB new, %.1f MiB deduplicated of %.1f MiB, "
+            "path %s",
+            self.step,
+            times.get(Boundary.STAGED, 0.0),
+            times.get(Boundary.RESTARTABLE, 0.0),
+            plan.new_bytes / mib,
+            (plan.logical_bytes - plan.new_bytes) / mib,
+            plan.logical_bytes / mib,
+            None if self.decision is None else self.decision.path,
+        )
 
     def _record_path(self) -> None:
         """Coordinator: what this checkpoint showed, for the path policy (:func:`record_outcome`)."""
