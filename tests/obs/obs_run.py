@@ -6,7 +6,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.records.events import Event, read_events
+from shoal.records.events import Event
 
 HOSTS = ["h0", "h0", "h1", "h1"]
 SAVES = 5

@@ -12,6 +12,7 @@ import pytest
 from shoal.boundary import Boundary
 from shoal.cli.main import main
 from shoal.records.events import CheckpointRecord, WriterRecord
+
 from .obs_run import SAVES, Run
 
 pytestmark = pytest.mark.timeout(240)

@@ -263,7 +263,12 @@ class GroupSave:
             )
             nbytes = sum(s.nbytes for s in self.job.slot.items)
             ctx.events.emit(
-                "hashed", self.step, bytes=nbytes, seconds=time.perf_counter() - t0, start=start, end=monotonic()
+                "hashed",
+                self.step,
+                bytes=nbytes,
+                seconds=time.perf_counter() - t0,
+                start=start,
+                end=monotonic(),
             )
             self._write_staged_index(items)
             # Only another rank's metadata travels (dcp.save's coordinator_rank != 0): the

@@ -1,1 +1,4 @@
-"""Seeing a run: its event records as a timeline (Chrome trace) and as an HTML report (``docs/observability.md``)."""
+"""Seeing a run: its event records as a timeline (Chrome trace) and an HTML report.
+
+See ``docs/observability.md``.
+"""

@@ -15,7 +15,6 @@ plan's bytes (``planned``). Bytes written and partner-copy traffic add up every 
 from __future__ import annotations
 
 import datetime as dt
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from html import escape
@@ -23,7 +22,7 @@ from typing import Any
 
 from shoal.boundary import Boundary
 from shoal.errors import ShoalError
-from shoal.obs.runlogs import RunRecords, StepFilter
+from shoal.obs.runlogs import RunRecords, StepFilter, write_output
 from shoal.obs.svg import PALETTE, Chart, Unit, byte_unit, second_unit, stacked
 from shoal.records.events import CheckpointRecord, Event, WriterRecord
 from shoal.records.exposure_log import COORDINATOR, LoggedCheckpoint, RunLog, run_log
@@ -35,6 +34,9 @@ CHARTS = ("boundaries", "exposure", "b2_prediction", "bytes_per_tier", "dedup", 
 
 BOUNDARIES = tuple(b.name for b in Boundary)
 LABELS = {b.name: f"B{int(b)} {b.name}" for b in Boundary}
+SAVE_CALL_SLACK_S = 1.0
+"""How long before rank 0's save call another rank's records of the same save may start (ranks
+call ``save`` at about the same moment; saves of one step again, after a load, come later)."""
 CLASS_LABELS = {
     "process": "process crash (needs B1)",
     "host": "host lost (needs B2)",
@@ -92,16 +94,30 @@ def collect(run: RunRecords, steps: StepFilter | None = None) -> ReportData:
     """
     steps = steps or StepFilter()
     log = run_log(run.coordinator(COORDINATOR), rank=COORDINATOR, source=", ".join(run.sources))
-    rows: dict[int, CheckpointRow] = {}
+    ordered: list[CheckpointRow] = []
+    by_step: dict[int, list[tuple[float, CheckpointRow]]] = {}  # saves of one step, by save call
     for c in log.checkpoints:
         if c.step in steps:
-            rows[c.step] = _row(c, log)
+            new = _row(c, log)
+            ordered.append(new)
+            by_step.setdefault(c.step, []).append((run.wall_at(c.where, c.saved), new))
     notes = list(log.notes)
-    if not rows:
+    if not ordered:
         raise ShoalError(f"{', '.join(run.sources)}: no checkpoint of steps {steps.text!r} in these logs")
+
+    def row_of(e: Event) -> CheckpointRow | None:
+        """The save ``e`` belongs to: of the saves of its step (a step saved again after a load,
+        to heal it), the last one called before it (within :data:`SAVE_CALL_SLACK_S`)."""
+        saves = by_step.get(e.step) if e.step is not None else None
+        if not saves or e.mono is None:
+            return None
+        at = run.wall(e, e.mono)
+        before = [r for called, r in saves if called - SAVE_CALL_SLACK_S <= at]
+        return before[-1] if before else saves[0][1]
+
     link_spans: dict[tuple[int, str], list[float]] = {}
     for e in run.events:
-        row = rows.get(e.step) if e.step is not None else None
+        row = row_of(e)
         if row is None:
             continue
         if isinstance(e, CheckpointRecord):
@@ -115,23 +131,22 @@ def collect(run: RunRecords, steps: StepFilter | None = None) -> ReportData:
             old = row.links.get(e.host, (0, 0, 0.0))
             row.links[e.host] = (old[0] + sent, old[1] + got, 0.0)
             if isinstance(s0, int | float) and isinstance(s1, int | float):
-                span = link_spans.setdefault((e.step or 0, e.host), [float("inf"), float("-inf")])
+                span = link_spans.setdefault((id(row), e.host), [float("inf"), float("-inf")])
                 span[0] = min(span[0], run.wall(e, s0))
                 span[1] = max(span[1], run.wall(e, s1))
         elif e.rank == COORDINATOR:
             _coordinator_event(row, e)
-    for (step, host), (lo, hi) in link_spans.items():
-        sent, got, _ = rows[step].links[host]
-        rows[step].links[host] = (sent, got, max(0.0, hi - lo))
+    by_id = {id(r): r for r in ordered}
+    for (row_id, link_host), (lo, hi) in link_spans.items():
+        sent, got, _ = by_id[row_id].links[link_host]
+        by_id[row_id].links[link_host] = (sent, got, max(0.0, hi - lo))
     loads = [e for e in run.of("loaded") if e.rank == COORDINATOR and steps.keeps(e)]
     kv = sum(1 for e in run.events if e.event.startswith("kv"))
-    return ReportData(run, log, [rows[s] for s in sorted(rows, key=lambda s: rows[s].saved)], loads, kv, notes)
+    return ReportData(run, log, sorted(ordered, key=lambda r: r.saved), loads, kv, notes)
 
 
 def _row(c: LoggedCheckpoint, log: RunLog) -> CheckpointRow:
-    return CheckpointRow(
-        c.step, c.saved - log.start, dict(c.boundaries), c.durability_path, c.failed_at
-    )
+    return CheckpointRow(c.step, c.saved - log.start, dict(c.boundaries), c.durability_path, c.failed_at)
 
 
 def _written_kind(e: WriterRecord) -> str:
@@ -144,6 +159,7 @@ def _written_kind(e: WriterRecord) -> str:
 
 def _coordinator_event(row: CheckpointRow, e: Event) -> None:
     if e.event == "path":
+        row.path = row.path or e.get("path")  # a checkpoint that never finished has no record of it
         row.reason = e.get("reason")
         row.predictions = e.get("predictions")
     elif e.event == "path_observed":
@@ -242,7 +258,8 @@ def render(data: ReportData) -> str:
         parts.append(f'<p class="note">{data.kv_events} KV records in this run (not charted).</p>')
     else:
         parts.append('<p class="note" data-kv="none">No KV records in this run: the KV store reports '
-                     "its hits and misses to listeners and its stats(), not to the event log.</p>")  # fmt: skip
+                     "its hits and misses to listeners and its stats(), "
+                     "not to the event log.</p>")  # fmt: skip
     parts.append("</body></html>")
     return "\n".join(parts)
 
@@ -254,7 +271,9 @@ def _section(heading: str, chart: Chart, how: str) -> list[str]:
 def _summary(data: ReportData, started: str) -> str:
     run = data.run
     hosts = ", ".join(f"{h} (ranks {', '.join(map(str, run.ranks_of(h)))})" for h in run.hosts())
-    offsets = "; ".join(f"{o.host}: {o.offset:.6f} s (lines within {o.spread * 1e3:.3g} ms)" for o in run.offsets)
+    offsets = "; ".join(
+        f"{o.host}: {o.offset:.6f} s (lines within {o.spread * 1e3:.3g} ms)" for o in run.offsets
+    )
     items = [
         ("Started", started),
         ("Hosts", hosts),
@@ -327,15 +346,22 @@ def _prediction_chart(rows: Sequence[CheckpointRow]) -> Chart:
             predicted += 1
             q = round(float(p.get("q", 0.9)) * 100)
             lo, hi = float(p.get("typical", 0.0)), float(p.get("seconds", 0.0))
-            chart.band(i, lo, hi, PALETTE[0],
-                       f"step {r.step} ({r.path}): predicted median {unit.text(lo, 4)}, p{q} {unit.text(hi, 4)}")
+            chart.band(
+                i,
+                lo,
+                hi,
+                PALETTE[0],
+                f"step {r.step} ({r.path}): predicted median {unit.text(lo, 4)}, p{q} {unit.text(hi, 4)}",
+            )
             chart.tick(i, lo, PALETTE[0], f"step {r.step}: predicted median {unit.text(lo, 4)}")
         assert r.observed_b2 is not None
-        chart.dot(i, r.observed_b2, PALETTE[3], f"step {r.step} ({r.path}): observed {unit.text(r.observed_b2, 4)}")
+        chart.dot(
+            i, r.observed_b2, PALETTE[3], f"step {r.step} ({r.path}): observed {unit.text(r.observed_b2, 4)}"
+        )
     chart.legend("predicted median to p90 (the chosen path)", PALETTE[0])
     chart.legend("observed", PALETTE[3])
     if not predicted:
-        chart.legend("(no predictions: every path was chosen by a rule or while the model warmed up)", "#bbb")
+        chart.legend("(no model predictions: rules chose the paths)", "#bbb")
     return chart
 
 
@@ -367,13 +393,18 @@ def _dedup_chart(rows: Sequence[CheckpointRow]) -> Chart:
     parts = [_dedup_parts(r) for r in rows]
     high = max((sum(p) for p in parts if p), default=0.0)
     unit = byte_unit(high)
-    chart = Chart("dedup", "What each checkpoint had to write to shared storage, and what deduplication spared",
+    title = "What each checkpoint had to write to shared storage, and what deduplication spared"
+    chart = Chart("dedup", title,
                   "checkpoint (step number)", "bytes staged", unit, high,
                   categories=_steps(rows))  # fmt: skip
     if high <= 0:
         chart.empty = "no plan records with byte counts (planned events) for these checkpoints"
         return chart
-    series = ["new: written to shared storage", "identical within the checkpoint", "already on shared storage"]
+    series = [
+        "new: written to shared storage",
+        "identical within the checkpoint",
+        "already on shared storage",
+    ]
 
     def tip(i: int, k: int, v: float) -> str:
         total = sum(parts[i] or (0.0,))
@@ -415,7 +446,11 @@ def _checkpoint_table(rows: Sequence[CheckpointRow]) -> str:
     head = ["step", "saved at (s since start)", "path", *(f"{LABELS[b]} (ms)" for b in BOUNDARIES),
             "failed before", "bytes staged (all ranks)", *(f"bytes: {k}" for k in kinds),
             "bytes deduplicated", "deduplicated share"]  # fmt: skip
-    out = ['<table data-table="checkpoints"><thead><tr>', *(f"<th>{escape(h)}</th>" for h in head), "</tr></thead><tbody>"]
+    out = [
+        '<table data-table="checkpoints"><thead><tr>',
+        *(f"<th>{escape(h)}</th>" for h in head),
+        "</tr></thead><tbody>",
+    ]
     for r in rows:
         share = None if r.dedup_bytes is None or not r.logical_bytes else r.dedup_bytes / r.logical_bytes
         cells = [
@@ -438,14 +473,21 @@ def _prediction_text(predictions: Mapping[str, Any] | None, path: str) -> tuple[
     p = (predictions or {}).get(path)
     if not isinstance(p, Mapping):
         return "", None
-    return f"{float(p.get('seconds', 0.0)) * 1000:.1f} (median {float(p.get('typical', 0.0)) * 1000:.1f})", p.get("seconds")
+    return (
+        f"{float(p.get('seconds', 0.0)) * 1000:.1f} (median {float(p.get('typical', 0.0)) * 1000:.1f})",
+        p.get("seconds"),
+    )
 
 
 def _path_table(rows: Sequence[CheckpointRow]) -> str:
     paths = sorted({p for r in rows for p in (r.predictions or {})} | {"direct", "partner"})
     head = ["step", "path chosen", "why (the policy's words)",
             *(f"predicted p90 to B2 by {p} (ms)" for p in paths), "observed B2 (ms)"]  # fmt: skip
-    out = ['<table data-table="paths"><thead><tr>', *(f"<th>{escape(h)}</th>" for h in head), "</tr></thead><tbody>"]
+    out = [
+        '<table data-table="paths"><thead><tr>',
+        *(f"<th>{escape(h)}</th>" for h in head),
+        "</tr></thead><tbody>",
+    ]
     for r in rows:
         cells = [_cell("step", str(r.step), r.step), _cell("path", r.path or "", cls="text"),
                  _cell("reason", r.reason or "", cls="text")]  # fmt: skip
@@ -462,13 +504,18 @@ def _link_table(rows: Sequence[CheckpointRow]) -> str:
     if not any(r.links for r in rows):
         return '<p class="note">No partner copies in these checkpoints.</p>'
     head = ["step", "host", "bytes sent", "bytes received", "copy time (ms)", "sent per second"]
-    out = ['<table data-table="links"><thead><tr>', *(f"<th>{escape(h)}</th>" for h in head), "</tr></thead><tbody>"]
+    out = [
+        '<table data-table="links"><thead><tr>',
+        *(f"<th>{escape(h)}</th>" for h in head),
+        "</tr></thead><tbody>",
+    ]
     for r in rows:
         for h, (sent, got, seconds) in sorted(r.links.items()):
             rate = sent / seconds if seconds > 0 else None
             unit = byte_unit(rate or 0.0)
             cells = [_cell("step", str(r.step), r.step), _cell("host", h, cls="text"),
-                     _cell("sent_bytes", _bytes_text(sent), sent), _cell("received_bytes", _bytes_text(got), got),
+                     _cell("sent_bytes", _bytes_text(sent), sent),
+                     _cell("received_bytes", _bytes_text(got), got),
                      _cell("seconds", _ms(seconds), seconds),
                      _cell("rate", "" if rate is None else f"{unit.text(rate)}/s", rate)]  # fmt: skip
             out.append(f'<tr data-step="{r.step}">' + "".join(cells) + "</tr>")
@@ -481,10 +528,16 @@ def _load_table(data: ReportData) -> str:
         return '<p class="note">No loads in these records.</p>'
     head = ["step loaded", "restored from", "time (ms)", "bytes read per tier", "bytes over the fabric",
             "chunks repaired"]  # fmt: skip
-    out = ['<table data-table="loads"><thead><tr>', *(f"<th>{escape(h)}</th>" for h in head), "</tr></thead><tbody>"]
+    out = [
+        '<table data-table="loads"><thead><tr>',
+        *(f"<th>{escape(h)}</th>" for h in head),
+        "</tr></thead><tbody>",
+    ]
     for e in data.loads:
         tiers = e.get("bytes_by_tier") or {}
-        text = ", ".join(f"{k}: {int(v):,}" for k, v in sorted(tiers.items())) if isinstance(tiers, dict) else ""
+        text = (
+            ", ".join(f"{k}: {int(v):,}" for k, v in sorted(tiers.items())) if isinstance(tiers, dict) else ""
+        )
         seconds = e.get("seconds")
         cells = [_cell("step", str(e.step), e.step), _cell("origin", str(e.get("origin") or ""), cls="text"),
                  _cell("seconds", _ms(seconds if isinstance(seconds, int | float) else None), seconds),
@@ -498,14 +551,4 @@ def _load_table(data: ReportData) -> str:
 
 def write_report(html: str, path: str) -> None:
     """Write the page to ``path`` (through a temporary file renamed into place)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(html)
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise ShoalError(f"cannot write the report to {path}: {e}") from e
+    write_output(path, html, "the report")

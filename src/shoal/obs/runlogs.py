@@ -17,6 +17,7 @@ host's own events keep their exact monotonic spacing.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import statistics
@@ -35,6 +36,7 @@ __all__ = [
     "find_logs",
     "load_run",
     "parse_steps",
+    "write_output",
 ]
 
 EVENT_LOG = "events.jsonl"
@@ -80,6 +82,13 @@ class RunRecords:
             return self._offset_of[e.where]
         except KeyError:
             raise ShoalError(f"{e.where}: not an event of this run's logs") from None
+
+    def wall_at(self, where: str, mono: float) -> float:
+        """``mono`` on the clock of the host that wrote the line at ``where`` (``<file>:<line>``)."""
+        try:
+            return float(mono) + self._offset_of[where]
+        except KeyError:
+            raise ShoalError(f"{where}: not a line of this run's logs") from None
 
     def wall(self, e: Event, mono: float) -> float:
         """``mono``, a time on the monotonic clock of ``e``'s host, on the common wall clock."""
@@ -271,3 +280,19 @@ def parse_steps(text: str | None) -> StepFilter:
             raise ShoalError(f"steps {text!r}: {part.strip()!r} is not a range from a lower to a higher step")
         ranges.append((a, b))
     return StepFilter(tuple(ranges), text)
+
+
+def write_output(path: str, text: str, what: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed into place (never half a file).
+
+    Raises :class:`~shoal.errors.ShoalError` naming ``what`` and the path when it cannot be written.
+    """
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise ShoalError(f"cannot write {what} to {path}: {e}") from e

@@ -234,7 +234,9 @@ class Chart:
                 continue
             seen.add(label)
             if shape == "line":
-                out.append(f'<line x1="{x}" x2="{x + 16}" y1="34" y2="34" stroke="{color}" stroke-width="3"/>')
+                out.append(
+                    f'<line x1="{x}" x2="{x + 16}" y1="34" y2="34" stroke="{color}" stroke-width="3"/>'
+                )
             else:
                 out.append(f'<rect x="{x}" y="28" width="14" height="12" fill="{color}" fill-opacity="0.8"/>')
             out.append(f'<text class="legend" x="{x + 20}" y="38">{escape(label)}</text>')

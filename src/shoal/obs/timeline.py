@@ -24,14 +24,12 @@ Times are microseconds since the run's first line.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.boundary import Boundary
-from shoal.errors import ShoalError
-from shoal.obs.runlogs import RunRecords, StepFilter
+from shoal.obs.runlogs import RunRecords, StepFilter, write_output
 from shoal.records.events import CheckpointRecord, Event, WriterRecord
 
 __all__ = ["LANE_TIDS", "Span", "build_trace", "spans_of", "write_trace"]
@@ -182,7 +180,10 @@ def _lanes(spans: list[Span], origin: float) -> dict[int, int]:
     """
     order = sorted(
         range(len(spans)),
-        key=lambda i: (_us(spans[i].start, origin), -(_us(spans[i].end, origin) - _us(spans[i].start, origin))),
+        key=lambda i: (
+            _us(spans[i].start, origin),
+            -(_us(spans[i].end, origin) - _us(spans[i].start, origin)),
+        ),
     )
     stacks: dict[int, list[list[float]]] = {}
     home: dict[tuple[int, int | None], int] = {}  # (rank, step) -> the lane of its checkpoint span
@@ -225,7 +226,8 @@ def build_trace(run: RunRecords, steps: StepFilter | None = None) -> dict[str, A
                        "args": {"step": s.step, **s.args}})  # fmt: skip
     for m in instants:
         events.append({"name": m.name, "cat": m.cat, "ph": "i", "s": "t", "ts": _us(m.at, origin),
-                       "pid": pid[m.host], "tid": m.rank * LANE_TIDS, "args": {"step": m.step, **m.args}})  # fmt: skip
+                       "pid": pid[m.host], "tid": m.rank * LANE_TIDS,
+                       "args": {"step": m.step, **m.args}})  # fmt: skip
     events.extend(_counters(run, spans, pid, origin))
     events.sort(key=lambda e: (e["pid"], e["tid"], e["ts"], -e.get("dur", 0.0)))
     meta: list[dict[str, Any]] = []
@@ -250,8 +252,14 @@ def build_trace(run: RunRecords, steps: StepFilter | None = None) -> dict[str, A
             "origin_wall_clock": origin,
             "steps": steps.text if steps and steps.text else "all",
             "clock_offsets": [
-                {"log": o.source, "host": o.host, "from": o.first, "lines": o.lines,
-                 "offset_s": o.offset, "spread_s": o.spread}  # fmt: skip
+                {
+                    "log": o.source,
+                    "host": o.host,
+                    "from": o.first,
+                    "lines": o.lines,
+                    "offset_s": o.offset,
+                    "spread_s": o.spread,
+                }  # fmt: skip
                 for o in run.offsets
             ],
         },
@@ -283,14 +291,4 @@ def _counters(
 
 def write_trace(trace: Mapping[str, Any], path: str) -> None:
     """Write ``trace`` as JSON to ``path`` (through a temporary file renamed into place)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(trace, f, separators=(",", ":"))
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise ShoalError(f"cannot write the trace to {path}: {e}") from e
+    write_output(path, json.dumps(trace, separators=(",", ":")), "the trace")
