@@ -29,6 +29,7 @@ from shoal.engine.runtime import Runtime
 from shoal.format import layout
 from shoal.group.topology import Topology
 from shoal.model.exposure import Exposure
+from shoal.records.events import monotonic
 from shoal.tiers.base import Tier
 from shoal.tiers.dram import DramTier
 from shoal.tiers.local import PosixTier
@@ -221,7 +222,7 @@ class Checkpointer:
             layout.check_step(step)
         check_state(state_dict, "load()" if step is None else f"load(step {step})")
         rt.enter_collective(f"load({step})")
-        t0 = time.perf_counter()
+        t0, start = time.perf_counter(), monotonic()
         # Chosen here, not inside dcp.load, so a missing checkpoint raises CheckpointNotFound as itself.
         restore = rt.begin_restore(step)
         reader = shoal_dcp.StorageReader(self, cast=cast, session=restore)
@@ -240,6 +241,10 @@ class Checkpointer:
             repaired=report.repaired,
             read_seconds=report.read_seconds,
             exchange_seconds=report.exchange_seconds,
+            start=start,
+            end=monotonic(),
+            rank_bytes=restore.rank_bytes,
+            **_rank_spans(restore.rank_spans),
         )
         log.info("loaded %s", sources_in(report))
         self.last_heal = None
@@ -312,3 +317,11 @@ class Checkpointer:
             self.close()
         except Exception as e:  # pragma: no cover - interpreter shutdown
             log.warning("shoal: close at exit failed: %s", e)
+
+
+def _rank_spans(spans: tuple[float, float, float] | None) -> dict[str, float]:
+    """The ``loaded`` record's per-rank read and exchange times (docs/events.md), when measured."""
+    if spans is None:
+        return {}
+    read_start, read_end, exchange_end = spans
+    return {"read_start": read_start, "read_end": read_end, "exchange_end": exchange_end}

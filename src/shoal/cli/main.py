@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 
 from shoal import __version__
-from shoal.cli import advise, export, exposure, gc, ls, verify
+from shoal.cli import advise, export, exposure, gc, ls, report, timeline, verify
 from shoal.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, add_location_options
 from shoal.errors import ShoalError
 
@@ -44,6 +44,8 @@ examples:
   shoal export /lustre/run/job42 --format safetensors --all ./everything
   shoal exposure job42 --local /nvme/shoal          (host-local: reads the run's event log)
   shoal advise job42 --node-mtbf 8760 --nodes 64 --restart 600 --accelerators-per-node 8
+  shoal timeline job42 --local /nvme/shoal -o trace.json     (every host's log: open it in Perfetto)
+  shoal report job42 --local /nvme/shoal -o report.html      (one HTML page of charts)
 """
 
 
@@ -61,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"shoal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (ls, verify, gc, export, exposure, advise):
+    for module in (ls, verify, gc, export, exposure, advise, timeline, report):
         module.add_parser(sub, [common])
     # dispatched before parsing (its own argparse takes the rest); listed here for --help
     sub.add_parser("demo", help="run the demo (shoal demo --help for its options)", add_help=False)

@@ -271,7 +271,7 @@ class GroupSave:
         if ctx.is_host_leader and ctx.host_catalog is not None:
             held = frozenset(ctx.host_catalog.locations)
         try:
-            t0 = time.perf_counter()
+            t0, start = time.perf_counter(), monotonic()
             staged = self.job.slot.items
             hexes = [ctx.hasher.hash_item(self.job.slot.view(s), ctx.chunk_size) for s in staged]
             # One buffer of raw digests for the rank; each item's digests are a view of it.
@@ -282,7 +282,14 @@ class GroupSave:
                 for s, a, b in zip(staged, bounds[:-1], bounds[1:], strict=True)
             )
             nbytes = sum(s.nbytes for s in self.job.slot.items)
-            ctx.events.emit("hashed", self.step, bytes=nbytes, seconds=time.perf_counter() - t0)
+            ctx.events.emit(
+                "hashed",
+                self.step,
+                bytes=nbytes,
+                seconds=time.perf_counter() - t0,
+                start=start,
+                end=monotonic(),
+            )
             self._write_staged_index(items)
             # Only another rank's metadata travels (dcp.save's coordinator_rank != 0): the
             # coordinator's own is not pickled into its own gather.
@@ -329,6 +336,7 @@ class GroupSave:
 
     def _plan(self, reports: list[RankReport]) -> tuple[GroupPlan, PathDecision]:
         ctx = self.ctx
+        start = monotonic()
         decision = self._decide_path(reports)
         if ctx.shared_catalog is None:
             ctx.shared_catalog = ChunkCatalog.scan(ctx.shared)
@@ -370,6 +378,11 @@ class GroupSave:
             replicated_bytes=plan.replicated_bytes,
             reused_bytes=plan.reused_bytes,
             plan_reused=ctx.plan_cache.hits > hits,
+            logical_bytes=plan.logical_bytes,
+            unique_bytes=plan.unique_bytes,
+            dedup_bytes=plan.logical_bytes - plan.new_bytes,
+            start=start,
+            end=monotonic(),
         )
         return plan, decision
 

@@ -47,6 +47,7 @@ from shoal.group.exchange import plan_exchange
 from shoal.group.fabric import Fabric
 from shoal.group.readplan import SHARED, Choice, ChunkRead, ReadPlan, Source, choose_checkpoint, plan_reads
 from shoal.group.topology import Topology
+from shoal.records.events import monotonic
 from shoal.records.fetch import ChunkRequest, ChunkSource, Fetcher, SourceFile
 from shoal.tiers.base import Tier
 
@@ -120,6 +121,9 @@ class _Stats:
     relayed: int = 0
     seconds: tuple[float, float] = (0.0, 0.0)
     """This rank's seconds reading (with repairs) and in the exchange."""
+    marks: tuple[float, float, float] | None = None
+    """This rank's reads' start, their end (the exchange's start) and the exchange's end, on the
+    event clock (:data:`shoal.records.events.monotonic`)."""
     repaired: int = 0
 
 
@@ -158,6 +162,16 @@ class Restore:
         """Each source file this rank reads, once made (or why it cannot read it)."""
         self._first_use: dict[str, tuple[str, int]] = {}
         """Per digest this rank places, the first (item key, chunk index) it fills: for messages."""
+
+    @property
+    def rank_spans(self) -> tuple[float, float, float] | None:
+        """This rank's reads' start, their end and the exchange's end (event clock), once fetched."""
+        return self._stats.marks
+
+    @property
+    def rank_bytes(self) -> int:
+        """The bytes this rank read from the tiers (before the exchange)."""
+        return sum(self._stats.by_tier.values())
 
     @property
     def rank(self) -> int:
@@ -243,11 +257,12 @@ class Restore:
             plan = self._agree_plan(dests, problem)  # R3, R4
             places = self._places(dests)
             held: dict[str, memoryview] = {}
-            t0 = time.perf_counter()
+            t0, m0 = time.perf_counter(), monotonic()
             reader_of = self._read_rounds(plan, places, held)  # read, R5, R4'
-            t1 = time.perf_counter()
+            t1, m1 = time.perf_counter(), monotonic()
             error = self._exchange(reader_of, places, held)
             self._stats.seconds = (t1 - t0, time.perf_counter() - t1)
+            self._stats.marks = (m0, m1, monotonic())
             return self._finish(error)  # R6
 
     def _agree_plan(self, dests: Mapping[str, memoryview], problem: str | None) -> ReadPlan:

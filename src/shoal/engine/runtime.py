@@ -373,6 +373,7 @@ class Runtime:
             return handle, None
         handle = SaveHandle(step, started=started)
         self.exposure_feed.watch(handle, called)
+        copy_start = monotonic()
         try:
             # The slot's staged index describes the checkpoint about to be overwritten: drop it
             # first, so that a crash mid-copy never leaves an index over half-new bytes.
@@ -399,7 +400,14 @@ class Runtime:
             self._ring.release(slot)
             raise
         self._warm_other_slots(slot)
-        self.events.emit("staged", step, bytes=sum(s.nbytes for s in staged), wait_seconds=waited)
+        self.events.emit(
+            "staged",
+            step,
+            bytes=sum(s.nbytes for s in staged),
+            wait_seconds=waited,
+            start=copy_start,
+            end=monotonic(),
+        )
         self.exposure_feed.saved(step, called)
         if gate is None:
             with self._lock:
