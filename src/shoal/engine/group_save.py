@@ -346,6 +346,8 @@ class GroupSave:
             "planned",
             self.step,
             seconds=time.perf_counter() - t0,
+            logical_bytes=plan.logical_bytes,
+            unique_bytes=plan.unique_bytes,
             new_bytes=plan.new_bytes,
             replicated_bytes=plan.replicated_bytes,
             reused_bytes=plan.reused_bytes,
