@@ -206,11 +206,13 @@ class Runtime:
         if self.topology.leader(self.host) != self.rank:
             return None
         assert cfg.event_log is not None
-        metrics = Metrics(log_path=cfg.event_log)
+        metrics: Metrics | None = None
         try:
+            metrics = Metrics(log_path=cfg.event_log)
             server = metrics.serve(cfg.metrics_port, cfg.metrics_addr)
-        except ConfigError as e:
-            metrics.close()
+        except (ShoalError, OSError) as e:
+            if metrics is not None:
+                metrics.close()
             log.error("%s: host %s goes on without a metrics endpoint", e, self.host)
             return None
         log.info("rank %d serves the metrics of host %s at %s", self.rank, self.host, server.url)
