@@ -14,6 +14,10 @@ For a state of ``--gib`` GiB (float32 tensors of ``--tensor-mib`` MiB each) it m
     completion = until the upload future is done. Like shoal, the 2nd and later saves, each after the
     previous one finished.
 Single process, no process group (``no_dist=True``). Prints a Markdown table with ratios.
+``--metrics on`` runs shoal with its Prometheus endpoint (``Config.metrics_port``, a free port on
+127.0.0.1) scraped every 0.1 s by a thread of the benchmark, far more often than a Prometheus
+would; ``--metrics both`` measures shoal's saves with metrics off and on, alternating, back to back
+(off, on, off, on), and prints both medians and their ratio.
 Usage: ``python benchmarks/stall.py --gib 1 --repeats 5``.
 """
 
@@ -24,7 +28,9 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
+import urllib.request
 import warnings
 
 import torch
@@ -87,18 +93,51 @@ def memcpy_seconds(state: dict[str, torch.Tensor], repeats: int) -> list[float]:
     return out[1:]
 
 
+class Scraper:
+    """Scrapes a metrics endpoint every ``interval`` seconds in a thread (what a Prometheus does, faster)."""
+
+    def __init__(self, url: str, interval: float = 0.1) -> None:
+        self.url, self.interval, self.scrapes = url, interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-scraper", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            with urllib.request.urlopen(self.url, timeout=30) as reply:
+                reply.read()
+            self.scrapes += 1
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.scrapes
+
+
 def shoal_seconds(
-    state: dict[str, torch.Tensor], root: str, dram: str, repeats: int
+    state: dict[str, torch.Tensor],
+    root: str,
+    dram: str,
+    repeats: int,
+    *,
+    metrics: bool = False,
+    job: str = "bench",
 ) -> tuple[list[float], list[float], float]:
     cfg = shoal.Config(
         shared=os.path.join(root, "shoal-shared"),
         local=os.path.join(root, "local"),
         dram=dram,
-        job="bench",
+        job=job,
         keep_last=2,
+        metrics_port=0 if metrics else None,
+        metrics_addr="127.0.0.1",
     )
     b1, b4 = [], []
     with shoal.Checkpointer(cfg) as ckpt:
+        server = ckpt.runtime.metrics_server
+        if metrics and server is None:
+            raise SystemExit("--metrics: the metrics endpoint did not start (see the log)")
+        scraper = Scraper(server.url) if server is not None else None
         first = None
         for step in range(repeats + 1):
             for t in state.values():
@@ -112,8 +151,24 @@ def shoal_seconds(
                 continue
             b1.append(stall)
             b4.append(h.times[shoal.Boundary.RESTARTABLE])
+        if scraper is not None:
+            assert scraper.stop() > 0, "the endpoint was never scraped"
     assert first is not None
     return b1, b4, first
+
+
+def shoal_with_and_without_metrics(
+    state: dict[str, torch.Tensor], root: str, dram: str, repeats: int, rounds: int = 2
+) -> dict[str, list[float]]:
+    """Shoal's stalls with metrics off and on, alternating (off, on, off, on, ...): saves 2+ of each."""
+    out: dict[str, list[float]] = {"off": [], "on": []}
+    for r in range(rounds):
+        for mode in ("off", "on"):
+            b1, _, _ = shoal_seconds(
+                state, root, dram, repeats, metrics=mode == "on", job=f"bench-{mode}-{r}"
+            )
+            out[mode] += b1
+    return out
 
 
 def dcp_seconds(state: dict[str, torch.Tensor], root: str, repeats: int) -> list[float]:
@@ -139,14 +194,23 @@ def main() -> None:
     parser.add_argument(
         "--root", default=None, help="directory for shared-tier and DCP output (default: a temp dir)"
     )
+    parser.add_argument(
+        "--metrics",
+        choices=("off", "on", "both"),
+        default="off",
+        help="shoal's Prometheus endpoint: off (default), on (scraped every 0.1 s), or both, alternating",
+    )
     args = parser.parse_args()
     state = make_state(args.gib, args.tensor_mib)
     nbytes = sum(t.numel() * 4 for t in state.values())
     root = args.root or tempfile.mkdtemp(prefix="shoal-bench-")
     dram = tempfile.mkdtemp(prefix="shoal-bench-dram-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    compared: dict[str, list[float]] | None = None
     try:
         mem = memcpy_seconds(state, args.repeats)
-        b1, b4, first = shoal_seconds(state, root, dram, args.repeats)
+        if args.metrics == "both":
+            compared = shoal_with_and_without_metrics(state, root, dram, args.repeats)
+        b1, b4, first = shoal_seconds(state, root, dram, args.repeats, metrics=args.metrics == "on")
         base = dcp_seconds(state, root, args.repeats)
         asyncs = {k: async_save_seconds(state, root, args.repeats, k) for k in ASYNC_KINDS}
     finally:
@@ -193,6 +257,20 @@ def main() -> None:
         print(
             f"raw: async_save {k}: stall {[round(x, 3) for x in st]}, complete {[round(x, 3) for x in dn]} "
             f"(first save's stall {f1:.3f})"
+        )
+    if args.metrics != "off":
+        print(
+            f"\nmetrics: {args.metrics} (the table's shoal rows: metrics "
+            f"{'on' if args.metrics == 'on' else 'off'})"
+        )
+    if compared is not None:
+        off, on = med(compared["off"]), med(compared["on"])
+        print(
+            f"shoal stall, metrics off: median {off:.4f} s of {len(compared['off'])} saves; metrics on "
+            f"(scraped every 0.1 s): median {on:.4f} s of {len(compared['on'])}; on / off = {on / off:.3f}"
+        )
+        print(
+            f"raw: off {[round(x, 4) for x in compared['off']]}, on {[round(x, 4) for x in compared['on']]}"
         )
 
 

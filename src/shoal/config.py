@@ -20,6 +20,7 @@ ON_BUSY = ("wait", "skip")
 REPLICATE_TO = ("local", "dram")
 PARTNER_SCHEMES = ("ring", "jump")
 ENV_HOST_ID = "SHOAL_HOST_ID"
+ENV_METRICS_PORT = "SHOAL_METRICS_PORT"
 
 
 def default_local_root() -> str:
@@ -87,6 +88,12 @@ class Config:
             could write the checkpoint. Off by default: such items load with ``weights_only=True``
             (tensors, containers, numbers and strings), anything else is refused with a
             :class:`~shoal.errors.FormatError` naming the item.
+        metrics_port: serve Prometheus metrics on this TCP port (``None``, the default: no metrics,
+            nothing imported, nothing listening; ``0``: any free port). ``$SHOAL_METRICS_PORT``
+            sets it when the field is unset. One endpoint per host, served by the host's first
+            rank from the host's event log (``docs/observability.md``); needs ``shoal[metrics]``.
+        metrics_addr: the address the metrics endpoint binds (default ``""``: every interface;
+            ``"127.0.0.1"`` for this host alone).
     """
 
     shared: str
@@ -112,6 +119,8 @@ class Config:
     failure_domain: str | None = None
     collective_timeout: float = 300.0
     allow_pickle: bool = False
+    metrics_port: int | None = None
+    metrics_addr: str = ""
 
     def __post_init__(self) -> None:
         for name in ("shared", "local", "dram", "event_log"):
@@ -169,6 +178,18 @@ class Config:
             )
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ConfigError(f"Config.ranks_per_node must be >= 1, got {self.ranks_per_node!r}")
+        if self.metrics_port is not None and (
+            not isinstance(self.metrics_port, int)
+            or isinstance(self.metrics_port, bool)
+            or not 0 <= self.metrics_port <= 65535
+        ):
+            raise ConfigError(
+                f"Config.metrics_port must be None or an int in [0, 65535], got {self.metrics_port!r}"
+            )
+        if not isinstance(self.metrics_addr, str):
+            raise ConfigError(
+                f"Config.metrics_addr must be a str (an address to bind), got {self.metrics_addr!r}"
+            )
 
     def resolved(self, rank: int = 0) -> Config:
         """A copy with every default filled in for ``rank``, from the environment where needed.
@@ -178,6 +199,7 @@ class Config:
         This is the one place a host id is resolved. torchrun's ``$GROUP_RANK`` is deliberately
         not used: an elastic restart may give a node another group rank, and the host id names
         the node's own DRAM and disk, which must be found again after the restart.
+        ``metrics_port``, when unset, is ``$SHOAL_METRICS_PORT`` if that is set.
         """
         host = self.host_id or os.environ.get(ENV_HOST_ID)
         if not host and self.ranks_per_node:
@@ -189,7 +211,22 @@ class Config:
             check_identifier(host, f"host id (from ${ENV_HOST_ID} or the hostname)")
         except InvalidName as e:
             raise ConfigError(str(e)) from e
-        return replace(self, host_id=host, local=local, dram=dram)
+        return replace(self, host_id=host, local=local, dram=dram, metrics_port=self._metrics_port())
+
+    def _metrics_port(self) -> int | None:
+        """``metrics_port``, else ``$SHOAL_METRICS_PORT`` (an int in [0, 65535]), else None."""
+        if self.metrics_port is not None:
+            return self.metrics_port
+        text = os.environ.get(ENV_METRICS_PORT, "").strip()
+        if not text:
+            return None
+        try:
+            port = int(text)
+        except ValueError:
+            port = -1
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"${ENV_METRICS_PORT} must be a TCP port in [0, 65535], got {text!r}")
+        return port
 
     def shared_url(self) -> str:
         return f"{self.shared.rstrip('/')}/{self.job}"

@@ -51,6 +51,7 @@ from shoal.format.manifest import Manifest
 from shoal.group.fabric import Board, Fabric
 from shoal.group.topology import topology_for_path
 from shoal.model.exposure import Exposure
+from shoal.obs.metrics import Metrics, MetricsServer, require_prometheus
 from shoal.records.catalog import ChunkCatalog
 from shoal.records.events import EventLog, monotonic
 from shoal.records.hoststate import (
@@ -110,6 +111,7 @@ class Runtime:
             self.run_id = self._agree_on_run(cfg)
             self._open(cfg, rank_hosts, domains)
         except BaseException:
+            self._stop_metrics()
             self._host_lock.release()
             raise
         self.closed = False
@@ -143,6 +145,8 @@ class Runtime:
         if cfg.event_log is None:
             cfg = replace(cfg, event_log=os.path.join(local.root, "events.jsonl"))
         self.config = cfg
+        self.metrics_server = self._serve_metrics(cfg)
+        """The host's metrics endpoint (``Config.metrics_port``) when this rank serves it, else None."""
         host_tier: Tier | None = None
         if replicate:
             kind = check_role_kind(Role.HOST_COPY, cfg.replicate_to)
@@ -188,6 +192,37 @@ class Runtime:
         self._dcp_loads = 0
         self._calls = 0
         """Collective calls entered so far (:meth:`enter_collective`), alike on every rank."""
+
+    def _serve_metrics(self, cfg: Config) -> MetricsServer | None:
+        """``Config.metrics_port``: the host's first rank serves every rank's metrics, from the host's
+        event log (``docs/observability.md``). Off (None): nothing is imported, nothing listens.
+
+        Every rank checks that ``prometheus_client`` is there (so all raise alike); a port that
+        cannot be bound is logged and the job goes on without metrics (no rank waits for this one).
+        """
+        if cfg.metrics_port is None:
+            return None
+        require_prometheus("Config.metrics_port")
+        if self.topology.leader(self.host) != self.rank:
+            return None
+        assert cfg.event_log is not None
+        metrics: Metrics | None = None
+        try:
+            metrics = Metrics(log_path=cfg.event_log)
+            server = metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+        except (ShoalError, OSError) as e:
+            if metrics is not None:
+                metrics.close()
+            log.error("%s: host %s goes on without a metrics endpoint", e, self.host)
+            return None
+        log.info("rank %d serves the metrics of host %s at %s", self.rank, self.host, server.url)
+        return server
+
+    def _stop_metrics(self) -> None:
+        server, self.metrics_server = getattr(self, "metrics_server", None), None
+        if server is not None:
+            server.close()
+            server.metrics.close()
 
     def _pipeline_context(
         self, cfg: Config, fabric: Fabric, host_tier: Tier | None, *, replicate: bool
@@ -666,7 +701,9 @@ class Runtime:
                 sorted(self._pipeline.in_flight()),
                 limit,
             )
+            self._stop_metrics()
             return
+        self._stop_metrics()
         if self._warmer is not None:
             self._warmer.join()
         # Every checkpoint is finished: this process's staged copies are redundant, give /dev/shm

@@ -21,7 +21,7 @@ TIERS = (DRAM, LOCAL, SHARED)
 
 GetStatus = Literal["hit", "miss", "error"]
 MissReason = Literal["absent", "deadline", "corrupt"]
-EventKind = Literal["stored", "evicted", "written_back", "corrupt", "removed"]
+EventKind = Literal["stored", "evicted", "written_back", "corrupt", "removed", "fetched"]
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,12 @@ class PutResult:
 
 @dataclass(frozen=True)
 class KVEvent:
-    """One thing that happened to a block, given to every listener of the store that saw it."""
+    """One thing that happened to a block, given to every listener of the store that saw it.
+
+    ``fetched`` is the one event of a whole call, not of a block: one per ``get_batch_into``, with
+    ``key`` None and ``digest`` empty, ``tier`` the lowest tier the call had to ask (``dram`` when
+    the pool had every block), ``nbytes`` the bytes it hit and ``seconds`` how long it took.
+    """
 
     kind: EventKind
     key: BlockKey | None
@@ -130,7 +135,9 @@ class KVEvent:
     at: float
     """``time.monotonic()`` when it happened."""
     digest: str = ""
-    """The key digest (always set, also when ``key`` is None)."""
+    """The key digest (always set, also when ``key`` is None; empty for ``fetched``)."""
+    seconds: float = 0.0
+    """``fetched``: the call's duration (``time.monotonic()``); 0 for the other kinds."""
 
 
 @dataclass(frozen=True)

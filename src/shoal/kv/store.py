@@ -27,8 +27,9 @@ reports per key instead of raising on a miss:
   round trip for a request's new tail), or, with ``"host"``, answer from the index's record of the
   blocks this host wrote there, with no round trip on the lookup path.
 
-Events (``stored``, ``evicted``, ``written_back``, ``corrupt``, ``removed``) go to the listeners
-of the store that saw them, on the thread that saw them (the caller's or the write-back thread).
+Events (``stored``, ``evicted``, ``written_back``, ``corrupt``, ``removed``; and ``fetched``, one
+per ``get_batch_into`` with its duration) go to the listeners of the store that saw them, on the
+thread that saw them (the caller's or the write-back thread).
 """
 
 from __future__ import annotations
@@ -355,6 +356,7 @@ class KVStore:
     ) -> list[GetResult]:
         """Fill each buffer with its key's verified block (module docstring); one result per key."""
         self._check_open()
+        began = time.monotonic()
         _check_keys(keys, "get_batch_into")
         _check_deadline(deadline)
         if len(keys) != len(buffers):
@@ -369,21 +371,29 @@ class KVStore:
                 results[i] = GetResult(key, "error", error=e)
         corrupt: set[int] = set()
         todo = self._read_pass(self._pool_read, DRAM, keys, views, results, corrupt, deadline, 0)
+        asked = DRAM
         if todo and self._lower:
             # read before any lower tier's bytes: a promotion of what is read now is discarded if a
             # remove comes after this point (WAL: a read that never waits on a writer)
             since = self._pool.index.seq()
             if self._local is not None:
+                asked = LOCAL
                 todo = self._read_pass(
                     self._local.read_into, LOCAL, keys, todo, results, corrupt, deadline, since
                 )
             if self._shared is not None and todo:
+                asked = SHARED
                 todo = self._shared_pass(keys, todo, results, corrupt, deadline, since)
         for i in todo:
             results[i] = GetResult(keys[i], "miss", reason="corrupt" if i in corrupt else "absent")
-        return [
+        out = [
             r if r is not None else GetResult(keys[i], "miss", reason="absent") for i, r in enumerate(results)
         ]
+        if self._listeners:
+            hit = sum(r.nbytes for r in out if r.status == "hit")
+            now = time.monotonic()
+            self._notify(KVEvent("fetched", None, asked, hit, now, "", now - began))
+        return out
 
     def _pool_read(self, digest: str, out: memoryview) -> bool:
         return self._pool.read_into(digest, out)
@@ -657,7 +667,9 @@ class KVStore:
             self._counters[tier].add(bytes_written=nbytes)
         if not self._listeners:
             return
-        event = KVEvent(kind, self._keys.get(digest), tier, nbytes, time.monotonic(), digest)  # type: ignore[arg-type]
+        self._notify(KVEvent(kind, self._keys.get(digest), tier, nbytes, time.monotonic(), digest))  # type: ignore[arg-type]
+
+    def _notify(self, event: KVEvent) -> None:
         for fn in list(self._listeners):
             try:
                 fn(event)

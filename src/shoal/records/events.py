@@ -38,6 +38,7 @@ __all__ = [
     "CheckpointRecord",
     "Event",
     "EventLog",
+    "Listener",
     "WriterRecord",
     "monotonic",
     "read_events",
@@ -58,8 +59,16 @@ monotonic: Callable[[], float] = time.monotonic
 """The clock of ``mono``, ``start`` and ``end`` (per host: not comparable across hosts)."""
 
 
+Listener = Callable[[dict[str, Any]], None]
+"""What :meth:`EventLog.add_listener` takes: called with each record, as the dict written."""
+
+
 class EventLog:
-    """Appends events to a JSON-lines file; never raises into the caller (logs instead)."""
+    """Appends events to a JSON-lines file; never raises into the caller (logs instead).
+
+    :meth:`add_listener` subscribes a function to every record this log emits (metrics derive
+    from them, ``docs/observability.md``); with no listener, emitting costs what it always did.
+    """
 
     def __init__(
         self, path: str | None, *, host: str = "", rank: int = 0, max_bytes: int = DEFAULT_MAX_BYTES
@@ -71,21 +80,66 @@ class EventLog:
         self._lock = threading.Lock()
         self._warned = False
         self._tail_checked = False
+        self._listeners: tuple[Listener, ...] = ()
+        self._failed: set[int] = set()
+        """ids of listeners that raised once (logged with the traceback; later failures at debug)."""
+
+    def add_listener(self, fn: Listener) -> None:
+        """Call ``fn(record)`` with every record emitted from now on, after it is written.
+
+        ``record`` is the dict written (``v``, ``t``, ``mono``, ``event``, ``step``, ``host``,
+        ``rank`` and the event's fields, ``docs/events.md``); treat it as read-only. ``fn`` runs
+        on the emitting thread (the training thread or the background pipeline): keep it short.
+        An exception it raises is logged, never raised into the caller. Also called when the log
+        has no file (``path`` None).
+        """
+        if not callable(fn):
+            raise ShoalError(f"EventLog.add_listener needs a callable, got {fn!r}")
+        with self._lock:
+            self._listeners = (*self._listeners, fn)
+
+    @property
+    def listeners(self) -> tuple[Listener, ...]:
+        """The listeners added (in order), none by default."""
+        return self._listeners
+
+    def remove_listener(self, fn: Listener) -> None:
+        """Stop calling ``fn`` (a listener added before; anything else is ignored)."""
+        with self._lock:
+            # ``!=``, not ``is not``: a bound method is a new object at each access, equal to the last
+            self._listeners = tuple(f for f in self._listeners if f != fn)
 
     def emit(self, event: str, step: int | None = None, **fields: Any) -> None:
         record = self._record(event, step, fields)
         log.debug("event %s", record)
-        if self.path is None:
-            return
-        line = json.dumps(record, default=str) + "\n"
-        with self._lock:
+        if self.path is not None:
+            line = json.dumps(record, default=str) + "\n"
+            with self._lock:
+                try:
+                    os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+                    self._append(self.path, line.encode())
+                except (OSError, ShoalError) as e:
+                    if not self._warned:
+                        log.warning("cannot write the event log at %s: %s", self.path, e)
+                        self._warned = True
+        if self._listeners:
+            self._notify(record)
+
+    def _notify(self, record: dict[str, Any]) -> None:
+        for fn in self._listeners:
             try:
-                os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
-                self._append(self.path, line.encode())
-            except (OSError, ShoalError) as e:
-                if not self._warned:
-                    log.warning("cannot write the event log at %s: %s", self.path, e)
-                    self._warned = True
+                fn(record)
+            except Exception:
+                if id(fn) in self._failed:
+                    log.debug("listener %r failed on a %r record", fn, record["event"], exc_info=True)
+                else:
+                    self._failed.add(id(fn))
+                    log.exception(
+                        "event log listener %r failed on a %r record (ignored; later failures of this "
+                        "listener are logged at debug level)",
+                        fn,
+                        record["event"],
+                    )
 
     def _record(self, event: str, step: int | None, fields: Mapping[str, Any]) -> dict[str, Any]:
         record = {
