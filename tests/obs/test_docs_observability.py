@@ -1,4 +1,5 @@
-"""docs/observability.md's examples run as written, in order (the report's continues the timeline's)."""
+"""docs/observability.md's timeline and report examples run as written, in order (the report's
+continues the timeline's). The Metrics section's examples run in test_metrics.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import tempfile
 import pytest
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "observability.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+VIEWS = DOC.read_text().split("\n## Reading a run's logs", 1)[1]
+BLOCKS = re.findall(r"```python\n(.*?)```", VIEWS, re.S)
 
 
 def test_the_page_has_examples() -> None:
