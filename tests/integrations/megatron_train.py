@@ -38,7 +38,11 @@ def _model(seed: int) -> tuple[Any, torch.optim.Optimizer]:
         parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(seed)
     config = TransformerConfig(
-        num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True, ffn_hidden_size=128
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        ffn_hidden_size=128,
     )
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ)
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -77,7 +81,9 @@ def _snapshot(model: Any, opt: torch.optim.Optimizer) -> dict[str, Any]:
     import copy
 
     return {
-        "model": {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")},
+        "model": {
+            k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")
+        },
         "optimizer": copy.deepcopy(opt.state_dict()),
         "rng": _rng(),
     }
@@ -159,7 +165,9 @@ def resume(rank: int, world: int, *, root: str, dram: str) -> dict[str, Any]:
     assert_identical(vars(loaded["args"]), vars(template["args"]), "args")
     assert (loaded["iteration"], loaded["checkpoint_version"]) == (3, 3.0)
     _step(model, opt, rank, 4)
-    assert_identical(_snapshot(model, opt), torch.load(f"{root}/after4-{rank}.pt", weights_only=False), "after 4")
+    assert_identical(
+        _snapshot(model, opt), torch.load(f"{root}/after4-{rank}.pt", weights_only=False), "after 4"
+    )
     state = _sharded(model, opt, rank, world, 4)
     tasd, _ = MCoreTensorAwareStateDict.from_state_dict(state, algo="atomic")
     mgr.save(tasd, 4)

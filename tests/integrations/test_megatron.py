@@ -49,7 +49,10 @@ def test_sigkill_then_find_latest_and_load_are_bit_exact(
     tmp_path: Path, dram_root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     where = {"root": str(tmp_path), "dram": str(dram_root)}
-    assert run_ranks(train_then_die, hosts=HOSTS, kwargs=where, timeout=240, allow_death=[0, 1]) == [None, None]
+    assert run_ranks(train_then_die, hosts=HOSTS, kwargs=where, timeout=240, allow_death=[0, 1]) == [
+        None,
+        None,
+    ]
     steps, _ = committed(tmp_path / "shared" / "gpt", capsys)
     assert 2 in steps and max(steps) <= 3, steps  # 1 and 2 committed (1 maybe retired); 3 maybe
 

@@ -14,11 +14,10 @@ A loop of your own builds the manager itself (after ``init_process_group``: it i
 uses it as NVRx's: ``save(tensor_aware_state_dict, iteration, is_async=...)``, ``find_latest()``,
 ``load()``. What shoal changes:
 
-- ``save`` returns at B1 (each rank's state copied into its host's DRAM slab); the checkpoint goes
-  on to the partner host (B2), shared storage (B3) and its commit (B4) in the background.
-  ``is_async=True`` returns an ``AsyncRequest`` with no process to start (``async_fn`` is None) and
-  one finalize function that waits for ``async_boundary`` (default B4); Megatron calls it when it
-  finalizes the save. ``wait_for`` makes a synchronous save wait for a boundary too.
+- ``save`` returns at B1 (each rank's state in its host's DRAM slab); the checkpoint goes on to the
+  partner host (B2), shared storage (B3) and its commit (B4) in the background. ``is_async=True``
+  returns an ``AsyncRequest`` with no process to start and one finalize function, which waits for
+  ``async_boundary`` (default B4) when Megatron finalizes the save.
 - ``find_latest()`` is the newest iteration shoal can restore on every rank (one that reached B1
   only, in a surviving DRAM slab, counts), agreed by the job's inventory; ``load()`` reads it
   (each chunk verified) and saves it again if it was not committed.
@@ -34,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import logging
 import sys
@@ -84,18 +84,17 @@ def use_shoal(
         if kwargs.get("group") is not None:
             raise ConfigError("megatron: a local checkpoint manager on a process subgroup is not supported")
         config = shoal_config if shoal_config.local else replace(shoal_config, local=str(root_local_ckpt_dir))
-        return ShoalLocalCheckpointManager(
-            config,
-            session_id=session_id,
-            repl_strategy=repl_strategy,
-            wait_for=wait_for,
-            async_boundary=async_boundary,
-        )
+        build_as: dict[str, Any] = {
+            "session_id": session_id,
+            "wait_for": wait_for,
+            "async_boundary": async_boundary,
+        }
+        return ShoalLocalCheckpointManager(config, repl_strategy=repl_strategy, **build_as)
 
-    local_manager.LocalCheckpointManager = build  # type: ignore[misc,assignment]
+    local_manager.LocalCheckpointManager = build
 
 
-class ShoalLocalCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
+class ShoalLocalCheckpointManager(BaseCheckpointManager):
     """NVRx's ``BaseCheckpointManager`` saving, finding and loading each rank's state through shoal.
 
     ``shoal_config`` says where checkpoints go (its ``keep_last`` is the retention);
@@ -157,10 +156,9 @@ class ShoalLocalCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
     def find_latest(self) -> int:
         """The newest iteration restorable on every rank, or -1 (collective, cached until a save).
 
-        -1 also if that checkpoint was saved by another number of ranks (each rank's state is its
-        own; Megatron then falls back to its persistent checkpoints). Raises
-        :class:`CheckpointNotFound` if the job has checkpoints on shared storage but none is
-        restorable (rather than letting training start from scratch).
+        -1 also if that checkpoint was saved by another number of ranks (Megatron then loads its
+        persistent checkpoint). Raises :class:`CheckpointNotFound` if the job has checkpoints on
+        shared storage but none is restorable (rather than letting training start from scratch).
         """
         if self.latest_iteration != -1:
             return int(self.latest_iteration)
@@ -171,9 +169,11 @@ class ShoalLocalCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
             if self.shoal.latest(Boundary.PERSISTED) is not None:
                 raise
             return -1
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        if head["megatron"]["world"] != world:
-            log.warning("megatron: iteration %d was saved by %s ranks, not %d", found, head["megatron"]["world"], world)
+        saved_by = head["megatron"]["world"]
+        if saved_by != self.shoal.world_size:
+            log.warning(
+                "megatron: iteration %d was saved by %s ranks, not %d", found, saved_by, self.shoal.world_size
+            )
             return -1
         self.latest_iteration = found
         return found
@@ -187,23 +187,24 @@ class ShoalLocalCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         iteration, rank, _ = ckpt_id
         where = f"megatron: iteration {iteration}, rank {rank}"
         stored, skeleton = tree.encode(_to_plain(state_dict, where), where=where)
-        entry: dict[str, Any] = {str(rank): {"skeleton": json.dumps(skeleton, allow_nan=False), "tensors": stored}}
+        entry: dict[str, Any] = {
+            str(rank): {"skeleton": json.dumps(skeleton, allow_nan=False), "tensors": stored}
+        }
         if rank == 0:
-            entry["world"] = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            entry["world"] = self.shoal.world_size
         self.last_save = self.shoal.save(iteration, {"megatron": entry})
 
     def _load(self, ckpt_id: CkptID) -> TensorAwareStateDict:
-        """This rank's state dict of checkpoint ``ckpt_id`` (collective; its tensors on the CPU, then
-        ``load()`` moves a ShardedTensor's back to the device it was saved from)."""
+        """This rank's state dict of ``ckpt_id`` (collective), on the CPU (``load()`` moves it back)."""
         iteration, rank, _ = ckpt_id
         head: dict[str, Any] = {"megatron": {str(rank): {"skeleton": ""}}}
         self.shoal.load(head, iteration, heal=False)
         skeleton = json.loads(head["megatron"][str(rank)]["skeleton"])
         # everything this rank saved, again: a load that reads every item heals an uncommitted one
-        mine = {"skeleton": "", "tensors": tree.targets(skeleton)}
+        mine: dict[str, Any] = {"skeleton": "", "tensors": tree.targets(skeleton)}
         target: dict[str, Any] = {"megatron": {str(rank): mine, **({"world": -1} if rank == 0 else {})}}
         self.shoal.load(target, iteration)
-        return _from_plain(tree.decode(skeleton, mine["tensors"]))  # type: ignore[no-any-return]
+        return _from_plain(tree.decode(skeleton, mine["tensors"]))
 
     def _cleanup(self, iteration: int) -> None:
         """Nothing: shoal's retention keeps ``Config.keep_last`` committed checkpoints."""
@@ -213,6 +214,7 @@ class ShoalLocalCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         self.shoal.remove(iteration)
 
     def _finish(self, handle: SaveHandle, boundary: Boundary) -> None:
+        """Wait for ``boundary``; a failed save is removed, its error raised."""
         try:
             handle.wait(boundary)
         except CheckpointFailed:
@@ -239,17 +241,20 @@ def _to_plain(value: Any, where: str) -> Any:
         if kind is list or kind is tuple:
             return kind(walk(v, f"{path}/{i}") for i, v in enumerate(node))
         if kind in sharded:
-            fields = {f.name: walk(getattr(node, f.name), f"{path}/{f.name}") for f in dataclasses.fields(node)}
-            data = node.data
-            device = getattr(node, "orig_device", data.device.type if isinstance(data, torch.Tensor) else "cpu")
-            return {_TAG: kind.__name__, "fields": fields, "device": device}
+            fields = {
+                f.name: walk(getattr(node, f.name), f"{path}/{f.name}") for f in dataclasses.fields(node)
+            }
+            on = node.data.device.type if isinstance(node.data, torch.Tensor) else "cpu"
+            return {_TAG: kind.__name__, "fields": fields, "device": getattr(node, "orig_device", on)}
         if kind is argparse.Namespace:
             return {_TAG: "Namespace", "fields": walk(vars(node), path)}
         if kind is np.ndarray:
             try:
                 return {_TAG: "ndarray", "data": torch.from_numpy(np.ascontiguousarray(node).copy())}
             except TypeError as e:
-                raise UnsupportedValue(f"{where}: the numpy array at {path} has dtype {node.dtype}: {e}") from e
+                raise UnsupportedValue(
+                    f"{where}: the numpy array at {path} has dtype {node.dtype}: {e}"
+                ) from e
         return node  # tensors and plain values; tree.encode refuses the rest, naming the place
 
     if value.is_hollow:
@@ -257,7 +262,11 @@ def _to_plain(value: Any, where: str) -> Any:
     if type(value) is BasicTensorAwareStateDict:
         return {"kind": "basic", "state": walk(value.state_dict, "state_dict")}
     if type(value).__module__ == _MCORE and type(value).__name__ == "MCoreTensorAwareStateDict":
-        return {"kind": "mcore", "common": walk(value.common, "common"), "sharded": walk(value.sharded_state_dict, "sharded")}
+        return {
+            "kind": "mcore",
+            "common": walk(value.common, "common"),
+            "sharded": walk(value.sharded_state_dict, "sharded"),
+        }
     raise UnsupportedValue(f"{where}: a {type(value).__qualname__} (only pickle could rebuild it)")
 
 
@@ -286,6 +295,5 @@ def _from_plain(plain: dict[str, Any]) -> TensorAwareStateDict:
         basic = BasicTensorAwareStateDict({})  # its constructor asserts CUDA tensors: load() moves them there
         basic.state_dict = walk(plain["state"])
         return basic
-    __import__(_MAPPING)
-    mcore = __import__(_MCORE, fromlist=["MCoreTensorAwareStateDict"]).MCoreTensorAwareStateDict
-    return mcore(common=walk(plain["common"]), sharded_state_dict=walk(plain["sharded"]))  # type: ignore[no-any-return]
+    mcore = importlib.import_module(_MCORE).MCoreTensorAwareStateDict  # and ShardedTensor's module
+    return mcore(common=walk(plain["common"]), sharded_state_dict=walk(plain["sharded"]))
