@@ -176,3 +176,22 @@ def resume(rank: int, world: int, *, root: str, dram: str) -> dict[str, Any]:
     mgr.shoal.wait(timeout=120)
     mgr.close()
     return {"found": found, "ckpt_id": list(ckpt_id), "healed": healed}
+
+
+def basic_round_trip(rank: int, world: int, *, root: str, dram: str) -> None:
+    """NVRx's ``BasicTensorAwareStateDict`` (its constructor asserts CUDA tensors: here plain values
+    only), saved at iteration 5, found and loaded back: the same class, the same values and types."""
+    from collections import OrderedDict
+
+    from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
+
+    from shoal.testing.checkpoints import assert_identical
+
+    value = {"iteration": 5, "lr": [0.5, float("inf"), None], "sched": OrderedDict(b=(1, "x"), a=True)}
+    mgr = _manager(root, dram, wait_for=__import__("shoal").Boundary.RESTARTABLE)
+    mgr.save(BasicTensorAwareStateDict(value), 5)
+    assert mgr.find_latest() == 5
+    tasd, ckpt_id = mgr.load()
+    assert type(tasd) is BasicTensorAwareStateDict and ckpt_id == (5, 0, "")
+    assert_identical(tasd.state_dict, value, "basic")
+    mgr.close()

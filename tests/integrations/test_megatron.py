@@ -31,7 +31,7 @@ from shoal.errors import ConfigError  # noqa: E402
 from shoal.integrations.megatron import ShoalLocalCheckpointManager, use_shoal  # noqa: E402
 from shoal.testing.multiproc import run_ranks  # noqa: E402
 
-from .megatron_train import resume, train_then_die  # noqa: E402
+from .megatron_train import basic_round_trip, resume, train_then_die  # noqa: E402
 
 HOSTS = ["h0", "h1"]
 
@@ -79,3 +79,10 @@ def test_use_shoal_replaces_the_manager_megatron_lm_imports(monkeypatch: pytest.
     assert build is not ShoalLocalCheckpointManager and callable(build)
     with pytest.raises(ConfigError, match="replication"):  # Megatron-LM's call with --replication
         build("/local/ckpt", repl_strategy=object())
+
+
+@pytest.mark.timeout(120)
+def test_basic_tensor_aware_state_dict_round_trip(tmp_path: Path, dram_root: Path) -> None:
+    run_ranks(
+        basic_round_trip, hosts=["h0"], kwargs={"root": str(tmp_path), "dram": str(dram_root)}, timeout=100
+    )
