@@ -66,6 +66,7 @@ def _rng() -> dict[str, Any]:
 def _sharded(model: Any, opt: torch.optim.Optimizer, rank: int, world: int, iteration: int) -> dict[str, Any]:
     """A state like Megatron-LM's ``generate_state_dict``: sharded model and RNG, plain common values."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.transformer.enums import AttnBackend
 
     return {
         "model": model.sharded_state_dict(),
@@ -73,7 +74,14 @@ def _sharded(model: Any, opt: torch.optim.Optimizer, rank: int, world: int, iter
         "optimizer": opt.state_dict(),
         "iteration": iteration,
         "checkpoint_version": 3.0,
-        "args": argparse.Namespace(lr=1e-2, hidden_size=HIDDEN, params_dtype=torch.float32, tokenizer=None),
+        # Megatron-LM's args hold enums (attention_backend) and dtypes beside plain values
+        "args": argparse.Namespace(
+            lr=1e-2,
+            hidden_size=HIDDEN,
+            params_dtype=torch.float32,
+            tokenizer=None,
+            attention_backend=AttnBackend.auto,
+        ),
     }
 
 

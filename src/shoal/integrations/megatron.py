@@ -10,22 +10,19 @@ build a :class:`ShoalLocalCheckpointManager` instead::
     use_shoal(shoal.Config(shared="/lustre/ckpt", job="gpt-8b"))
     pretrain(...)  # with --non-persistent-ckpt-type local --non-persistent-save-interval N
 
-A loop of your own builds the manager itself (after ``init_process_group``: it is collective) and
-uses it as NVRx's: ``save(tensor_aware_state_dict, iteration, is_async=...)``, ``find_latest()``,
-``load()``. What shoal changes:
+A loop of your own builds the manager itself (collective, after ``init_process_group``) and
+uses it as NVRx's (``save``, ``find_latest``, ``load``). What shoal changes:
 
 - ``save`` returns at B1 (each rank's state in its host's DRAM slab); the checkpoint goes on to the
   partner host (B2), shared storage (B3) and its commit (B4) in the background. ``is_async=True``
   returns an ``AsyncRequest`` with no process to start and one finalize function, which waits for
   ``async_boundary`` (default B4) when Megatron finalizes the save.
-- ``find_latest()`` is the newest iteration shoal can restore on every rank (one that reached B1
-  only, in a surviving DRAM slab, counts), agreed by the job's inventory; ``load()`` reads it
-  (each chunk verified) and saves it again if it was not committed.
-- Retention is ``Config.keep_last`` (committed checkpoints kept); NVRx's replication
-  (``--replication``) is refused: shoal copies each checkpoint to a partner host itself.
+- ``find_latest()`` is the newest iteration shoal can restore on every rank (B1 in a surviving
+  DRAM slab counts); ``load()`` reads it and saves it again if it was not committed.
+- Retention is ``Config.keep_last``; NVRx's ``--replication`` is refused (shoal has partner copies).
 
-Nothing is pickled: a state dict holds tensors, plain values, ``ShardedTensor`` and
-``ShardedObject`` (megatron.core), ``argparse.Namespace`` and numpy arrays; anything else raises
+Nothing is pickled: tensors, plain values, ``ShardedTensor``/``ShardedObject``, megatron enums,
+``argparse.Namespace`` and numpy arrays are saved; anything else raises
 :class:`~shoal.errors.UnsupportedValue` naming its place, before anything is staged.
 """
 
@@ -33,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import importlib
 import json
 import logging
@@ -84,12 +82,10 @@ def use_shoal(
         if kwargs.get("group") is not None:
             raise ConfigError("megatron: a local checkpoint manager on a process subgroup is not supported")
         config = shoal_config if shoal_config.local else replace(shoal_config, local=str(root_local_ckpt_dir))
-        build_as: dict[str, Any] = {
-            "session_id": session_id,
-            "wait_for": wait_for,
-            "async_boundary": async_boundary,
-        }
-        return ShoalLocalCheckpointManager(config, repl_strategy=repl_strategy, **build_as)
+        waits: dict[str, Any] = {"wait_for": wait_for, "async_boundary": async_boundary}
+        return ShoalLocalCheckpointManager(
+            config, session_id=session_id, repl_strategy=repl_strategy, **waits
+        )
 
     local_manager.LocalCheckpointManager = build
 
@@ -248,6 +244,8 @@ def _to_plain(value: Any, where: str) -> Any:
             return {_TAG: kind.__name__, "fields": fields, "device": getattr(node, "orig_device", on)}
         if kind is argparse.Namespace:
             return {_TAG: "Namespace", "fields": walk(vars(node), path)}
+        if isinstance(node, enum.Enum) and kind.__module__.startswith("megatron."):  # in Megatron's args
+            return {_TAG: "Enum", "class": [kind.__module__, kind.__qualname__], "name": node.name}
         if kind is np.ndarray:
             try:
                 return {_TAG: "ndarray", "data": torch.from_numpy(np.ascontiguousarray(node).copy())}
@@ -281,6 +279,8 @@ def _from_plain(plain: dict[str, Any]) -> TensorAwareStateDict:
                 return node["data"].numpy()
             if tag == "Namespace":
                 return argparse.Namespace(**walk(node["fields"]))
+            if tag == "Enum" and node["class"][0].startswith("megatron."):  # never another module
+                return getattr(importlib.import_module(node["class"][0]), node["class"][1])[node["name"]]
             made = getattr(sys.modules[_MAPPING], tag)(**walk(node["fields"]))
             if node["device"] != "cpu":
                 made.orig_device = node["device"]  # megatron.core's mark: restore_tensor_device moves it
