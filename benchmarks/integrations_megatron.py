@@ -73,7 +73,7 @@ def run(args: argparse.Namespace, root: str, dram: str) -> None:
 
     def train_step() -> None:
         opt.zero_grad()
-        sum((p.float() ** 2).mean() for p in model.parameters()).backward()  # type: ignore[union-attr]
+        sum((p.float() ** 2).mean() for p in model.parameters()).backward()
         opt.step()
 
     def state(iteration: int) -> MCoreTensorAwareStateDict:
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace, root: str, dram: str) -> None:
             if i:  # the first of each is a warm-up
                 stalls[name].append(stall)
                 done[name].append(time.perf_counter() - t0)
-    managers["shoal (returns at B1; done = B4)"].close()  # type: ignore[attr-defined]
+    managers["shoal (returns at B1; done = B4)"].close()
     medians = {name: statistics.median(stalls[name]) * 1e3 for name in managers}
     for name in managers:
         print(f"| {name} | {medians[name]:.1f} | {statistics.median(done[name]) * 1e3:.1f} |")
