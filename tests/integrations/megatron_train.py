@@ -16,7 +16,9 @@ Adam on a loss of its own (random targets, a dropout-like mask from torch's glob
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import pickle
 import random
 import signal
 from pathlib import Path
@@ -34,6 +36,8 @@ def _model(seed: int) -> tuple[Any, torch.optim.Optimizer]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    # megatron.core logs every common value that differs between ranks (here each rank's optimizer)
+    logging.getLogger("megatron.core.dist_checkpointing").setLevel(logging.ERROR)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(seed)
@@ -121,13 +125,22 @@ def train_then_die(rank: int, world: int, *, root: str, dram: str) -> None:
     for iteration in (1, 2, 3):
         _step(model, opt, rank, iteration)
         if pending is not None:
-            pending.execute_sync()  # NVRx's own: barrier, then the finalize functions (B4 here)
+            # what megatron.core's TemporalAsyncCaller does (after a torch.cuda.synchronize, which needs
+            # CUDA): fork a process that runs the request's function (os.fork: these ranks are daemons)
+            child = os.fork()
+            if child == 0:
+                pending.async_fn(*pending.async_fn_args)
+                os._exit(0)
+            assert os.waitpid(child, 0)[1] == 0 and handles[1].done(Boundary.RESTARTABLE)
+            pending.execute_sync()  # NVRx's own: the function again (done), a barrier, the finalize functions
             pending = None
         state = _sharded(model, opt, rank, world, iteration)
         tasd, _ = MCoreTensorAwareStateDict.from_state_dict(state, algo="atomic")
         if iteration == 1:
             pending = mgr.save(tasd, iteration, is_async=True)
-            assert pending.async_fn is None and len(pending.finalize_fns) == 1
+            assert pending.async_fn is not None and len(pending.finalize_fns) == 1
+            # megatron.core's persistent worker gets the request pickled, without its finalize functions
+            pickle.loads(pickle.dumps(pending._replace(finalize_fns=[])))
         else:
             assert mgr.save(tasd, iteration) is None
         handles[iteration] = mgr.last_save

@@ -5,8 +5,10 @@ GPTModel, its ``MCoreTensorAwareStateDict`` and :class:`ShoalLocalCheckpointMana
 ``BaseCheckpointManager``) as Megatron-LM's ``save_checkpoint``/``load_checkpoint`` do. Two runs on
 two simulated hosts (``h0``, ``h1``: each checkpoint goes to the partner host too):
 
-1. iterations 1..3, one save each (1 through NVRx's async request, 2 and 3 returning at B1), on to
-   an uninterrupted iteration 4, then every rank SIGKILLed once iteration 2 is committed;
+1. iterations 1..3, one save each (1 through NVRx's async request, whose process is forked as
+   megatron.core's async caller does and ends once the checkpoint is committed, each commit delayed
+   by a failpoint; 2 and 3 returning at B1), on to an uninterrupted iteration 4, then every rank
+   SIGKILLed once iteration 2 is committed;
 2. a fresh model: ``find_latest()`` is 3 (the newest every rank can restore: its DRAM slabs
    survived the crash), ``load()`` gives it back; model, optimizer and RNG bit-exact against the
    killed run's after 3, and after a 4th iteration against its uninterrupted 4th; save 4.
@@ -49,10 +51,11 @@ def test_sigkill_then_find_latest_and_load_are_bit_exact(
     tmp_path: Path, dram_root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     where = {"root": str(tmp_path), "dram": str(dram_root)}
-    assert run_ranks(train_then_die, hosts=HOSTS, kwargs=where, timeout=240, allow_death=[0, 1]) == [
-        None,
-        None,
-    ]
+    slow_commit = {"SHOAL_FAILPOINTS": "pipeline.before_commit=delay:1.0"}  # the async process must wait
+    died = run_ranks(
+        train_then_die, hosts=HOSTS, kwargs=where, env=slow_commit, timeout=240, allow_death=[0, 1]
+    )
+    assert died == [None, None]
     steps, _ = committed(tmp_path / "shared" / "gpt", capsys)
     assert 2 in steps and max(steps) <= 3, steps  # 1 and 2 committed (1 maybe retired); 3 maybe
 

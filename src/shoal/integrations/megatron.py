@@ -10,31 +10,24 @@ build a :class:`ShoalLocalCheckpointManager` instead::
     use_shoal(shoal.Config(shared="/lustre/ckpt", job="gpt-8b"))
     pretrain(...)  # with --non-persistent-ckpt-type local --non-persistent-save-interval N
 
-A loop of your own builds the manager itself (collective, after ``init_process_group``) and
-uses it as NVRx's (``save``, ``find_latest``, ``load``). What shoal changes:
-
-- ``save`` returns at B1 (each rank's state in its host's DRAM slab); the checkpoint goes on to the
-  partner host (B2), shared storage (B3) and its commit (B4) in the background. ``is_async=True``
-  returns an ``AsyncRequest`` with no process to start and one finalize function, which waits for
-  ``async_boundary`` (default B4) when Megatron finalizes the save.
-- ``find_latest()`` is the newest iteration shoal can restore on every rank (B1 in a surviving
-  DRAM slab counts); ``load()`` reads it and saves it again if it was not committed.
-- Retention is ``Config.keep_last``; NVRx's ``--replication`` is refused (shoal has partner copies).
-
-Nothing is pickled: tensors, plain values, ``ShardedTensor``/``ShardedObject``, megatron enums,
-``argparse.Namespace`` and numpy arrays are saved; anything else raises
-:class:`~shoal.errors.UnsupportedValue` naming its place, before anything is staged.
+A loop of your own builds the manager itself. ``save`` returns at B1 (B2..B4 follow in the
+background); nothing is pickled (see docs/integrations.md, "Megatron (local checkpoints)").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import importlib
 import json
 import logging
+import os
 import sys
+import tempfile
+import threading
+import time
 from collections import OrderedDict
 from dataclasses import replace
 from functools import partial
@@ -53,7 +46,7 @@ from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.config import Config
 from shoal.engine.handle import SaveHandle
-from shoal.errors import CheckpointFailed, CheckpointNotFound, ConfigError, UnsupportedValue
+from shoal.errors import CheckpointFailed, CheckpointNotFound, ConfigError, ShoalError, UnsupportedValue
 from shoal.format import tree
 
 __all__ = ["ShoalLocalCheckpointManager", "use_shoal"]
@@ -70,10 +63,8 @@ def use_shoal(
 ) -> None:
     """Make Megatron-LM's ``pretrain`` build a :class:`ShoalLocalCheckpointManager` (call before it).
 
-    Replaces the ``LocalCheckpointManager`` that ``pretrain`` imports from NVRx's ``local_manager``
-    when ``--non-persistent-ckpt-type local`` is set. ``--non-persistent-local-ckpt-dir`` becomes
-    ``Config.local`` unless the config names one. Raises :class:`ConfigError` (when the manager
-    is built) for ``--replication``. Calling it again replaces the settings.
+    Replaces the ``LocalCheckpointManager`` ``pretrain`` imports from NVRx's ``local_manager``;
+    ``--non-persistent-local-ckpt-dir`` becomes ``Config.local`` unless the config names one.
     """
 
     def build(
@@ -82,10 +73,8 @@ def use_shoal(
         if kwargs.get("group") is not None:
             raise ConfigError("megatron: a local checkpoint manager on a process subgroup is not supported")
         config = shoal_config if shoal_config.local else replace(shoal_config, local=str(root_local_ckpt_dir))
-        waits: dict[str, Any] = {"wait_for": wait_for, "async_boundary": async_boundary}
-        return ShoalLocalCheckpointManager(
-            config, session_id=session_id, repl_strategy=repl_strategy, **waits
-        )
+        kw: dict[str, Any] = {"wait_for": wait_for, "async_boundary": async_boundary}
+        return ShoalLocalCheckpointManager(config, session_id=session_id, repl_strategy=repl_strategy, **kw)
 
     local_manager.LocalCheckpointManager = build
 
@@ -93,15 +82,11 @@ def use_shoal(
 class ShoalLocalCheckpointManager(BaseCheckpointManager):
     """NVRx's ``BaseCheckpointManager`` saving, finding and loading each rank's state through shoal.
 
-    ``shoal_config`` says where checkpoints go (its ``keep_last`` is the retention);
-    ``wait_for``: a synchronous ``save`` also waits for this boundary (None: it returns at B1);
-    ``async_boundary``: what the ``AsyncRequest`` of ``save(..., is_async=True)`` waits for when
-    finalized. ``session_id`` is NVRx's, kept in the checkpoint ids. :attr:`shoal` is the
-    Checkpointer (``latest()``, ``exposure()``, ``wait()``), :attr:`last_save` the newest handle.
-
-    Construction is collective. Raises :class:`ConfigError` for a ``repl_strategy`` (shoal
-    replicates to a partner host itself) or ``Config.on_busy="skip"`` (Megatron would count a
-    skipped checkpoint as saved).
+    ``shoal_config``: where checkpoints go (``keep_last``: the retention); ``wait_for``: a synchronous
+    ``save`` also waits for it (None: returns at B1); ``async_boundary``: when the ``AsyncRequest`` of
+    ``save(..., is_async=True)`` is done. ``session_id``: NVRx's, in the ids. :attr:`shoal` is the
+    Checkpointer, :attr:`last_save` the newest handle. Construction is collective. Raises
+    :class:`ConfigError` for a ``repl_strategy`` (shoal has partner copies) or ``Config.on_busy="skip"``.
     """
 
     def __init__(
@@ -115,8 +100,7 @@ class ShoalLocalCheckpointManager(BaseCheckpointManager):
     ) -> None:
         if repl_strategy is not None:
             raise ConfigError(
-                "megatron: NVRx replication (--replication) is not supported: shoal copies each "
-                "checkpoint to a partner host itself (set SHOAL_HOST_ID or run on several hosts)"
+                "megatron: NVRx replication (--replication) is refused: shoal has partner copies"
             )
         if shoal_config.on_busy != "wait":
             raise ConfigError('megatron: Config.on_busy must be "wait" (a skipped save would count as saved)')
@@ -133,18 +117,21 @@ class ShoalLocalCheckpointManager(BaseCheckpointManager):
     ) -> AsyncRequest | None:
         """Save this rank's ``state_dict`` as checkpoint ``iteration`` (collective); see the class.
 
-        Returns at B1 (or ``wait_for``) with None, or with an ``AsyncRequest`` if ``is_async``.
-        Raises :class:`UnsupportedValue` (a value only pickle could carry, a hollow state dict),
-        :class:`~shoal.errors.CheckpointExists` (``iteration`` is committed or in flight), and, at
-        the wait, :class:`CheckpointFailed` (the failed step is then removed).
+        Returns at B1 (or ``wait_for``): None, or an ``AsyncRequest`` if ``is_async``. Raises
+        :class:`UnsupportedValue` (a value only pickle could carry), ``CheckpointExists``, and at the
+        wait :class:`CheckpointFailed` (the failed step is then removed).
         """
         if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
             raise ConfigError(f"megatron: iteration must be an int >= 0, got {iteration!r}")
         self.latest_iteration = -1  # as NVRx's: find_latest asks again after a save
         self._save(state_dict, self._ckpt_id(iteration))
         assert self.last_save is not None
-        if is_async:
-            return AsyncRequest(None, (), [partial(self._finish, self.last_save, self.async_boundary)])
+        if is_async:  # the async process Megatron starts (or its worker) returns once the boundary is reached
+            fd, flag = tempfile.mkstemp(prefix=f"shoal-megatron-{iteration}-")
+            os.close(fd)
+            handle, boundary = self.last_save, self.async_boundary
+            threading.Thread(target=_unlink_at, args=(handle, boundary, flag), daemon=True).start()
+            return AsyncRequest(_wait_while, (flag, os.getpid()), [partial(self._finish, handle, boundary)])
         if self.wait_for is not None:
             self._finish(self.last_save, self.wait_for)
         return None
@@ -167,25 +154,21 @@ class ShoalLocalCheckpointManager(BaseCheckpointManager):
             return -1
         saved_by = head["megatron"]["world"]
         if saved_by != self.shoal.world_size:
-            log.warning(
-                "megatron: iteration %d was saved by %s ranks, not %d", found, saved_by, self.shoal.world_size
-            )
+            log.warning("megatron: iteration %d was saved by %s ranks, not these", found, saved_by)
             return -1
         self.latest_iteration = found
         return found
 
     def _my_ckpt_ids(self) -> list[CkptID]:
         """This rank's id of the newest restorable checkpoint, or none (collective: :meth:`find_latest`)."""
-        latest = self.find_latest()
-        return [] if latest < 0 else [self._ckpt_id(latest)]
+        return [] if (latest := self.find_latest()) < 0 else [self._ckpt_id(latest)]
 
     def _save(self, state_dict: TensorAwareStateDict, ckpt_id: CkptID) -> None:
         iteration, rank, _ = ckpt_id
         where = f"megatron: iteration {iteration}, rank {rank}"
         stored, skeleton = tree.encode(_to_plain(state_dict, where), where=where)
-        entry: dict[str, Any] = {
-            str(rank): {"skeleton": json.dumps(skeleton, allow_nan=False), "tensors": stored}
-        }
+        skeleton_json = json.dumps(skeleton, allow_nan=False)
+        entry: dict[str, Any] = {str(rank): {"skeleton": skeleton_json, "tensors": stored}}
         if rank == 0:
             entry["world"] = self.shoal.world_size
         self.last_save = self.shoal.save(iteration, {"megatron": entry})
@@ -221,6 +204,23 @@ class ShoalLocalCheckpointManager(BaseCheckpointManager):
     def close(self) -> None:
         """Finish in-flight checkpoints and close the Checkpointer."""
         self.shoal.close()
+
+
+def _unlink_at(handle: SaveHandle, boundary: Boundary, flag: str) -> None:
+    with contextlib.suppress(ShoalError):  # the request's finalize function raises it
+        handle.wait(boundary)
+    os.unlink(flag)
+
+
+def _wait_while(flag: str, trainer: int) -> None:
+    """The async request's function: return once the trainer removed ``flag`` (the checkpoint reached
+    the boundary, or failed) or is gone (polls: Megatron forks it, or hands it to its worker)."""
+    while os.path.exists(flag):
+        try:
+            os.kill(trainer, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
 
 
 def _to_plain(value: Any, where: str) -> Any:
