@@ -5,7 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
-FRAMEWORKS = ("lightning", "pytorch_lightning", "accelerate", "torchtitan")
+FRAMEWORKS = (
+    "lightning",
+    "pytorch_lightning",
+    "accelerate",
+    "torchtitan",
+    "megatron",
+    "nvidia_resiliency_ext",
+)
 
 CHECK = """
 import sys
@@ -25,11 +32,12 @@ def test_importing_shoal_imports_no_framework():
 
 def test_each_integration_imports_its_own_framework_only():
     for module, own in (
-        ("lightning", "lightning"),
-        ("accelerate", "accelerate"),
-        ("torchtitan", "torchtitan"),
+        ("lightning", {"lightning"}),
+        ("accelerate", {"accelerate"}),
+        ("torchtitan", {"torchtitan"}),
+        ("megatron", {"megatron", "nvidia_resiliency_ext"}),  # NVRx's manager; megatron.core only if used
     ):
-        others = set(FRAMEWORKS) - {own, "pytorch_lightning"}
+        others = set(FRAMEWORKS) - own - {"pytorch_lightning"}
         code = f"import sys, shoal.integrations.{module}\n" + (
             f"print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in {others!r})))"
         )
