@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml src/shoal/_version.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev,s3,metrics,lightning,accelerate,torchtitan]'
+	$(PY) -m pip install --quiet -e '.[dev,s3,metrics,lightning,accelerate,torchtitan,megatron]'
 	touch $(STAMP)
 
 demo: $(STAMP)
