@@ -15,9 +15,12 @@ For a state of ``--gib`` GiB (float32 tensors of ``--tensor-mib`` MiB each) it m
     previous one finished.
 Single process, no process group (``no_dist=True``). Prints a Markdown table with ratios.
 ``--metrics on`` runs shoal with its Prometheus endpoint (``Config.metrics_port``, a free port on
-127.0.0.1) scraped every 0.1 s by a thread of the benchmark, far more often than a Prometheus
-would; ``--metrics both`` measures shoal's saves with metrics off and on, alternating, back to back
-(off, on, off, on), and prints both medians and their ratio.
+127.0.0.1) scraped every ``--scrape-interval`` seconds (default 1.0; a Prometheus scrapes every 15
+s by default) by a thread of the benchmark; ``--metrics both`` measures shoal's saves with metrics
+off and on, alternating, back to back (off, on, off, on, off, on), and prints both medians and
+their ratio. Those saves each start quiet: after ``os.sync()`` (no write-back of the previous
+drain meanwhile) and the previous checkpoint's retention pass, since the difference sought is a
+few percent of a stall that the page cache's write-back alone can double.
 Usage: ``python benchmarks/stall.py --gib 1 --repeats 5``.
 """
 
@@ -96,7 +99,7 @@ def memcpy_seconds(state: dict[str, torch.Tensor], repeats: int) -> list[float]:
 class Scraper:
     """Scrapes a metrics endpoint every ``interval`` seconds in a thread (what a Prometheus does, faster)."""
 
-    def __init__(self, url: str, interval: float = 0.1) -> None:
+    def __init__(self, url: str, interval: float = 1.0) -> None:
         self.url, self.interval, self.scrapes = url, interval, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-scraper", daemon=True)
@@ -122,6 +125,8 @@ def shoal_seconds(
     *,
     metrics: bool = False,
     job: str = "bench",
+    scrape_interval: float = 1.0,
+    quiet: bool = False,
 ) -> tuple[list[float], list[float], float]:
     cfg = shoal.Config(
         shared=os.path.join(root, "shoal-shared"),
@@ -137,11 +142,15 @@ def shoal_seconds(
         server = ckpt.runtime.metrics_server
         if metrics and server is None:
             raise SystemExit("--metrics: the metrics endpoint did not start (see the log)")
-        scraper = Scraper(server.url) if server is not None else None
+        scraper = Scraper(server.url, scrape_interval) if server is not None else None
         first = None
         for step in range(repeats + 1):
             for t in state.values():
                 t[0] += 1.0  # every save has new bytes in every tensor (no dedup shortcut)
+            if quiet:
+                ckpt.wait(600)  # the previous checkpoint's retention pass
+                os.sync()
+                time.sleep(0.3)
             t0 = time.perf_counter()
             h = ckpt.save(step, state)
             stall = time.perf_counter() - t0
@@ -151,21 +160,33 @@ def shoal_seconds(
                 continue
             b1.append(stall)
             b4.append(h.times[shoal.Boundary.RESTARTABLE])
-        if scraper is not None:
-            assert scraper.stop() > 0, "the endpoint was never scraped"
+        if scraper is not None and scraper.stop() == 0 and scrape_interval < 1.0:
+            raise SystemExit("--metrics: the endpoint was never scraped")
     assert first is not None
     return b1, b4, first
 
 
 def shoal_with_and_without_metrics(
-    state: dict[str, torch.Tensor], root: str, dram: str, repeats: int, rounds: int = 2
+    state: dict[str, torch.Tensor],
+    root: str,
+    dram: str,
+    repeats: int,
+    scrape_interval: float,
+    rounds: int = 3,
 ) -> dict[str, list[float]]:
     """Shoal's stalls with metrics off and on, alternating (off, on, off, on, ...): saves 2+ of each."""
     out: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(rounds):
         for mode in ("off", "on"):
             b1, _, _ = shoal_seconds(
-                state, root, dram, repeats, metrics=mode == "on", job=f"bench-{mode}-{r}"
+                state,
+                root,
+                dram,
+                repeats,
+                metrics=mode == "on",
+                job=f"bench-{mode}-{r}",
+                scrape_interval=scrape_interval,
+                quiet=True,
             )
             out[mode] += b1
     return out
@@ -198,7 +219,10 @@ def main() -> None:
         "--metrics",
         choices=("off", "on", "both"),
         default="off",
-        help="shoal's Prometheus endpoint: off (default), on (scraped every 0.1 s), or both, alternating",
+        help="shoal's Prometheus endpoint: off (default), on (scraped), or both, alternating",
+    )
+    parser.add_argument(
+        "--scrape-interval", type=float, default=1.0, help="seconds between scrapes with --metrics"
     )
     args = parser.parse_args()
     state = make_state(args.gib, args.tensor_mib)
@@ -209,8 +233,11 @@ def main() -> None:
     try:
         mem = memcpy_seconds(state, args.repeats)
         if args.metrics == "both":
-            compared = shoal_with_and_without_metrics(state, root, dram, args.repeats)
-        b1, b4, first = shoal_seconds(state, root, dram, args.repeats, metrics=args.metrics == "on")
+            compared = shoal_with_and_without_metrics(state, root, dram, args.repeats, args.scrape_interval)
+        metrics_on = args.metrics == "on"
+        b1, b4, first = shoal_seconds(
+            state, root, dram, args.repeats, metrics=metrics_on, scrape_interval=args.scrape_interval
+        )
         base = dcp_seconds(state, root, args.repeats)
         asyncs = {k: async_save_seconds(state, root, args.repeats, k) for k in ASYNC_KINDS}
     finally:
@@ -267,7 +294,8 @@ def main() -> None:
         off, on = med(compared["off"]), med(compared["on"])
         print(
             f"shoal stall, metrics off: median {off:.4f} s of {len(compared['off'])} saves; metrics on "
-            f"(scraped every 0.1 s): median {on:.4f} s of {len(compared['on'])}; on / off = {on / off:.3f}"
+            f"(scraped every {args.scrape_interval:g} s): median {on:.4f} s of {len(compared['on'])}; "
+            f"on / off = {on / off:.3f}"
         )
         print(
             f"raw: off {[round(x, 4) for x in compared['off']]}, on {[round(x, 4) for x in compared['on']]}"
