@@ -192,3 +192,60 @@ def test_in_chromium_every_chart_is_drawn_and_shows_the_records(
     path_row = browser.find_element(By.CSS_SELECTOR, f'table[data-table="paths"] tr[data-step="{step}"]')
     decision = next(e for e in obs_run.events["h0"] if e.event == "path" and e.rank == 0 and e.step == step)
     assert decision["reason"] in path_row.text
+
+
+def _kv_run(shm_path: Path, tmp_path: Path) -> tuple[Path, Any]:
+    """A KV store followed by a KVRecorder: three rounds of lookups, hitting more each round."""
+    from shoal.kv import KVConfig, KVStore, chain_keys
+    from shoal.kv.pool import physical_bytes
+    from shoal.obs.kvlog import KVRecorder
+    from shoal.records.events import EventLog
+
+    block = 16 << 10
+    log = tmp_path / "kv" / "events.jsonl"
+    log.parent.mkdir()
+    keys = chain_keys("test-model/bf16", 0, ["seq", *range(7)])
+    cfg = KVConfig(str(shm_path / "pool"), 16 * physical_bytes(block), local_root=str(tmp_path / "l"))
+    with KVStore(cfg) as store:
+        recorder = KVRecorder(store, EventLog(str(log), host="h0"), every=1e-6)
+        bufs = [bytearray(block) for _ in keys]
+        for held in (2, 4, 8):  # the first `held` keys are in the store: 2, 4, then 8 hits of 8
+            store.put_batch(keys[:held], [bytes([i]) * block for i in range(held)])
+            store.get_batch_into(keys, bufs)
+        recorder.close()
+        stats = store.stats()
+    return log, stats
+
+
+def test_a_kv_stores_records_become_its_hit_ratio_per_tier_over_time(shm_path, tmp_path, browser) -> None:
+    from selenium.webdriver.common.by import By
+
+    from shoal.obs.report import KV_CHARTS
+
+    log, stats = _kv_run(shm_path, tmp_path)
+    out = tmp_path / "kv.html"
+    assert main(["report", "--events", str(log), "-o", str(out)]) == 0
+    html = out.read_text()
+    assert 'data-checkpoints="none"' in html  # no checkpoint charts for a KV store's log
+    browser.get(out.as_uri())
+    assert [e for e in browser.get_log("browser") if e.get("level") == "SEVERE"] == []
+    charts = {
+        c.get_attribute("data-chart"): c for c in browser.find_elements(By.CSS_SELECTOR, "svg[data-chart]")
+    }
+    assert sorted(charts) == sorted(KV_CHARTS)
+    tips = [
+        t.get_attribute("textContent")
+        for t in charts["kv_hits"].find_elements(By.CSS_SELECTOR, "circle title")
+    ]
+    assert [t for t in tips if t.startswith("dram:")] == [
+        "dram: 2 of 8 blocks (25.0%)",
+        "dram: 4 of 8 blocks (50.0%)",
+        "dram: 8 of 8 blocks (100.0%)",
+    ]
+    for tier, s in stats.tiers.items():  # the table holds the store's own counters at the end
+        row = browser.find_element(By.CSS_SELECTOR, f'tr[data-tier="{tier}"]')
+        cells = {
+            td.get_attribute("data-field"): td.get_attribute("data-value")
+            for td in row.find_elements(By.TAG_NAME, "td")
+        }
+        assert int(cells["hits"]) == s.hits and int(cells["misses"]) == s.misses, tier

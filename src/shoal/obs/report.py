@@ -15,6 +15,7 @@ plan's bytes (``planned``). Bytes written and partner-copy traffic add up every 
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from html import escape
@@ -22,15 +23,18 @@ from typing import Any
 
 from shoal.boundary import Boundary
 from shoal.errors import ShoalError
+from shoal.obs.kvlog import KV_STATS
 from shoal.obs.runlogs import RunRecords, StepFilter, write_output
 from shoal.obs.svg import PALETTE, Chart, Unit, byte_unit, second_unit, stacked
 from shoal.records.events import CheckpointRecord, Event, WriterRecord
 from shoal.records.exposure_log import COORDINATOR, LoggedCheckpoint, RunLog, run_log
 
-__all__ = ["CHARTS", "CheckpointRow", "ReportData", "collect", "render", "write_report"]
+__all__ = ["CHARTS", "KV_CHARTS", "CheckpointRow", "ReportData", "collect", "render", "write_report"]
 
 CHARTS = ("boundaries", "exposure", "b2_prediction", "bytes_per_tier", "dedup", "link_use")
-"""The ``data-chart`` names of the report's charts, in page order."""
+"""The ``data-chart`` names of the charts of a run's checkpoints, in page order."""
+KV_CHARTS = ("kv_hits",)
+"""The chart of a run whose logs hold ``kv_stats`` records (:mod:`shoal.obs.kvlog`), after those."""
 
 BOUNDARIES = tuple(b.name for b in Boundary)
 LABELS = {b.name: f"B{int(b)} {b.name}" for b in Boundary}
@@ -79,10 +83,12 @@ class ReportData:
     """What the page shows, gathered from the records."""
 
     run: RunRecords
-    log: RunLog
+    log: RunLog | None
+    """The coordinator's run (None for a run without checkpoints: a KV store's log alone)."""
     rows: list[CheckpointRow]
     loads: list[Event]
-    kv_events: int
+    kv: list[Event]
+    """``kv_stats`` records (:mod:`shoal.obs.kvlog`), oldest first."""
     notes: list[str]
 
 
@@ -93,6 +99,9 @@ def collect(run: RunRecords, steps: StepFilter | None = None) -> ReportData:
     (its records describe the checkpoints) or it called no save.
     """
     steps = steps or StepFilter()
+    kv = sorted(run.of(KV_STATS), key=lambda e: run.wall(e, float(e.mono or 0.0)))
+    if kv and not run.of("save_called"):  # a KV store's log: no checkpoints to describe
+        return ReportData(run, None, [], [], kv, [])
     log = run_log(run.coordinator(COORDINATOR), rank=COORDINATOR, source=", ".join(run.sources))
     ordered: list[CheckpointRow] = []
     by_step: dict[int, list[tuple[float, CheckpointRow]]] = {}  # saves of one step, by save call
@@ -141,7 +150,6 @@ def collect(run: RunRecords, steps: StepFilter | None = None) -> ReportData:
         sent, got, _ = by_id[row_id].links[link_host]
         by_id[row_id].links[link_host] = (sent, got, max(0.0, hi - lo))
     loads = [e for e in run.of("loaded") if e.rank == COORDINATOR and steps.keeps(e)]
-    kv = sum(1 for e in run.events if e.event.startswith("kv"))
     return ReportData(run, log, sorted(ordered, key=lambda r: r.saved), loads, kv, notes)
 
 
@@ -224,6 +232,20 @@ def render(data: ReportData) -> str:
         "job can restart from it. Times are seconds from the moment the save was called.</p>",
         _summary(data, started),
     ]
+    if data.log is not None:
+        parts += _checkpoint_sections(data)
+    else:
+        parts.append('<p class="note" data-checkpoints="none">No checkpoints in this run: its logs '
+                     "hold only KV store records.</p>")  # fmt: skip
+    parts += _kv_section(data)
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _checkpoint_sections(data: ReportData) -> list[str]:
+    """The charts and tables of the run's checkpoints."""
+    rows = data.rows
+    parts: list[str] = []
     parts += _section("Time to each boundary", _boundaries_chart(rows),
                       "One column per checkpoint, in the order they were saved. Lower is better; "
                       "B1 is the time training was paused.")  # fmt: skip
@@ -253,15 +275,67 @@ def render(data: ReportData) -> str:
     parts.append(_link_table(rows))
     parts.append("<h2>Loads</h2>")
     parts.append(_load_table(data))
-    parts.append("<h2>KV cache store</h2>")
-    if data.kv_events:
-        parts.append(f'<p class="note">{data.kv_events} KV records in this run (not charted).</p>')
-    else:
-        parts.append('<p class="note" data-kv="none">No KV records in this run: the KV store reports '
-                     "its hits and misses to listeners and its stats(), "
-                     "not to the event log.</p>")  # fmt: skip
-    parts.append("</body></html>")
-    return "\n".join(parts)
+    return parts
+
+
+def _kv_section(data: ReportData) -> list[str]:
+    """The KV store's hit ratio per tier over time, and its counters at the end, from ``kv_stats``."""
+    parts = ["<h2>KV cache store</h2>"]
+    if not data.kv:
+        parts.append('<p class="note" data-kv="none">No KV records in this run. A KV store writes them '
+                     "when a shoal.obs.kvlog.KVRecorder follows it (docs/observability.md).</p>")  # fmt: skip
+        return parts
+    parts += _section("KV hit ratio per tier", _kv_chart(data),
+                      "Of the blocks asked for from each tier between two records, the share it held. "
+                      "A lookup goes down the tiers (DRAM, then local disk, then shared storage) and "
+                      "stops at the first that holds the block.")  # fmt: skip
+    last = data.kv[-1].get("tiers") or {}
+    rows = "".join(
+        f'<tr data-tier="{escape(name)}"><td>{escape(name)}</td>'
+        + _cell("hits", str(t.get("hits", 0)), t.get("hits", 0))
+        + _cell("misses", str(t.get("misses", 0)), t.get("misses", 0))
+        + _cell("bytes_read", _bytes_text(t.get("bytes_read")), t.get("bytes_read"))
+        + _cell("bytes_written", _bytes_text(t.get("bytes_written")), t.get("bytes_written"))
+        + "</tr>"
+        for name, t in last.items()
+    )
+    parts.append(
+        "<table><thead><tr><th>tier</th><th>hits</th><th>misses</th><th>bytes read</th>"
+        f"<th>bytes written</th></tr></thead><tbody>{rows}</tbody></table>"
+        f'<p class="note">The counters of the last of {len(data.kv)} KV records '
+        f"({int(data.kv[-1].get('corrupt') or 0)} corrupt blocks found).</p>"
+    )
+    return parts
+
+
+def _kv_chart(data: ReportData) -> Chart:
+    run, records = data.run, data.kv
+    times = [run.wall(e, float(e.mono or 0.0)) for e in records]
+    start = times[0]
+    duration = max(times[-1] - start, 1e-9)
+    chart = Chart("kv_hits", "KV hit ratio per tier over time", f"time since the first record "
+                  f"({second_unit(duration).name})", "blocks found in the tier (%)", Unit("%", 1.0),
+                  100.0, 0.0, duration, x_unit=second_unit(duration))  # fmt: skip
+    tiers = list((records[-1].get("tiers") or {}).keys())
+    drawn = False
+    for k, tier in enumerate(tiers):
+        points: list[tuple[float, float]] = []
+        tips: list[str] = []
+        for (a, _), (b, tb) in itertools.pairwise(zip(records, times, strict=True)):
+            before, after = (a.get("tiers") or {}).get(tier, {}), (b.get("tiers") or {}).get(tier, {})
+            hits = int(after.get("hits", 0)) - int(before.get("hits", 0))
+            misses = int(after.get("misses", 0)) - int(before.get("misses", 0))
+            if hits + misses > 0:
+                points.append((tb - start, 100.0 * hits / (hits + misses)))
+                tips.append(
+                    f"{tier}: {hits} of {hits + misses} blocks ({100.0 * hits / (hits + misses):.1f}%)"
+                )
+        if points:
+            chart.line(points, PALETTE[k % len(PALETTE)], tier, tips=tips)
+            drawn = True
+    if not drawn:
+        chart.empty = "no block was asked for between two KV records"
+    return chart
 
 
 def _section(heading: str, chart: Chart, how: str) -> list[str]:
@@ -308,6 +382,7 @@ def _boundaries_chart(rows: Sequence[CheckpointRow]) -> Chart:
 
 
 def _exposure_chart(data: ReportData) -> Chart:
+    assert data.log is not None  # only a run with checkpoints draws it
     timeline = data.log.timeline()
     start = timeline.start
     high = max((v for c in timeline.classes.values() for _, v in c.points), default=0.0)
