@@ -38,8 +38,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "event log: the time to each boundary (B1..B4) per checkpoint, the rollback exposure per "
         "failure class over the run, the predicted and observed time to B2 with the p90 band, the "
         "path chosen per checkpoint and why, bytes written per tier, the share deduplication "
-        "spared, and partner-copy link use; tables with every checkpoint's numbers and the loads. "
-        "See docs/observability.md.",
+        "spared, and partner-copy link use; tables with every checkpoint's numbers and the loads; "
+        "for a KV store's kv_stats records (shoal.obs.kvlog.KVRecorder), its hit ratio per tier "
+        "over time. See docs/observability.md.",
         epilog="examples:\n"
         "  shoal report job42 --local /nvme/shoal -o report.html\n"
         "  shoal report --events h0/events.jsonl --events h1/events.jsonl -o report.html\n"
