@@ -254,6 +254,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.root:
         run(args.root, steps=args.steps, every=args.every, lose_at=args.lose_at)
+        local = os.path.join(args.root, "local")
+        print(
+            f"\nsee it: shoal report demo --local {local} -o report.html   (one HTML page)\n"
+            f"        shoal timeline demo --local {local} -o trace.json  (open in Perfetto)"
+        )
     else:
         with tempfile.TemporaryDirectory(prefix="shoal-demo-") as root:
             run(root, steps=args.steps, every=args.every, lose_at=args.lose_at)
