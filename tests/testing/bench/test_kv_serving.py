@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from shoal.testing.bench.kv_serving import (
     TwoLevelPolicy,
     make_policy,
     scaled_link_mbit,
+    serve_request,
     serve_requests,
     summarize,
 )
@@ -127,6 +129,41 @@ def test_the_policies_see_the_same_first_level_hits_request_by_request(tmp_path:
     assert hits["recompute"] == simulate_lru(chains, capacity, backed=False).dram_hits
     assert sum(hits["recompute"]) > 0
     assert below["recompute"] == 0 and below["storage"] > 0 and below["shoal"] > 0
+
+
+def test_the_first_level_is_one_pool_for_the_hosts_instances(tmp_path: Path) -> None:
+    """Two instances, requests alternating between them (round-robin), one pool: the first-level
+    hits of each policy are those of one LRU pool over the whole trace (a block one instance put is
+    a hit for the other), the same under every fallback."""
+    trace = _trace(tmp_path / "t.jsonl", seed=7)
+    reqs = load_trace(trace)
+    chains = prefix_chains(reqs)
+    capacity = max(r.blocks for r in reqs) + 5
+    hits: dict[str, list[int]] = {}
+    for policy in FIRST_LEVEL_POLICIES:
+        cfg = _config(
+            tmp_path, trace, policy, dram_blocks=capacity, dram_root=str(tmp_path / policy / "dram"),
+            **_below(tmp_path, policy),
+        )  # fmt: skip
+        every = {k.digest: k for r in reqs for k in chain_keys(cfg.namespace, 0, r.hash_ids)}
+        instances = [make_policy(cfg, 2, every) for _ in range(2)]
+        try:
+            got = []
+            for i, req in enumerate(reqs):
+                inst = instances[i % 2]
+                assert isinstance(inst, TwoLevelPolicy)
+                keys = chain_keys(cfg.namespace, 0, req.hash_ids)
+                record = serve_request(req, keys, inst, cfg, time.monotonic())
+                inst.first.store_.flush()  # its LRU update lands before the other instance's put
+                inst.store(inst.to_store(keys, record["tiers"]))
+                got.append(record["first_level_hits"])
+        finally:
+            for inst in instances:
+                inst.close()
+        hits[policy] = got
+    assert hits["recompute"] == hits["storage"] == hits["shoal"]
+    assert hits["recompute"] == simulate_lru(chains, capacity, backed=False).dram_hits
+    assert sum(hits["recompute"][1::2]) > 0
 
 
 @pytest.mark.parametrize("policy", ["storage", "shoal"])

@@ -363,6 +363,8 @@ class FirstLevel:
         self._lock = threading.Lock()
         self.store_.add_listener(self._on_event)
         self._buffers: list[bytearray] = []
+        self.lookup_s = 0.0
+        """Seconds the last :meth:`fetch` spent finding the prefix (its reads not included)."""
         self.counts = {"wrong": 0, "errors": 0, "evicted": 0, "not_kept": 0}
 
     def _on_event(self, event: KVEvent) -> None:
@@ -372,7 +374,9 @@ class FirstLevel:
 
     def fetch(self, keys: Sequence[BlockKey]) -> int:
         """How many blocks of ``keys``, from the first, the pool served (read and checked)."""
+        t = time.monotonic()
         k = self.store_.lookup_prefix(keys)
+        self.lookup_s = time.monotonic() - t
         while len(self._buffers) < k:
             self._buffers.append(bytearray(self.block_bytes))
         results = self.store_.get_batch_into(keys[:k], self._buffers[:k])
@@ -589,13 +593,12 @@ class TwoLevelPolicy:
     def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
         for key in keys:
             self._keys.setdefault(key.digest, key)
-        t = time.monotonic()
         k = self.first.fetch(keys)
-        first_s = time.monotonic() - t
         tiers = [DRAM] * k
+        self.lookup_s = self.first.lookup_s
         if k < len(keys):
             tiers += self.below.fetch(keys[k:])
-        self.lookup_s = first_s + self.below.lookup_s if k < len(keys) else first_s
+            self.lookup_s += self.below.lookup_s
         return tiers
 
     def to_store(self, keys: Sequence[BlockKey], tiers: Sequence[str]) -> Sequence[BlockKey]:
