@@ -1,20 +1,23 @@
-"""KV-cache trace replay: recompute-only, a per-key storage fallback and shoal's tiered store, in one run.
+"""KV-cache trace replay: one shared first-level cache, and below it nothing, a per-object storage or shoal.
 
 The Mooncake conversation trace (``benchmarks/data/mooncake/``; any trace of that format with
 ``--trace``), its first ``--minutes``, replayed ``--speedup`` times faster than its clock by
 ``--instances`` serving instances (one process each, requests round-robin), with each policy in
-turn (:mod:`shoal.testing.bench.kv_serving`). Reported per policy and storage: mean / p50 / p90 / p99
-time to first token (TTFT, on the trace's clock), its parts (queue, fetch, prefill), the hit ratio
-per tier, the blocks recomputed and the bytes read per tier; for shoal, its DRAM hit ratio next
-to the exact LRU simulation of the same trace and capacity
-(:func:`shoal.testing.bench.kv_trace.simulate_lru`).
+turn (:mod:`shoal.testing.bench.kv_serving`). ``recompute``, ``storage`` and ``shoal`` share one first
+level (the host's DRAM pool, ``--dram-blocks``, the same for all three) and differ only below it:
+nothing, a per-object storage fallback, shoal's store; ``private-lru+perkey`` (a private LRU per
+instance, then per-key reads: the replay's former ``perkey``) and ``nocache`` are rows of their own.
+Reported per policy and storage: mean / p50 / p90 / p99 time to first token (TTFT, on the trace's
+clock), its parts (queue, fetch, prefill), the hit ratio per tier, the blocks recomputed and the
+bytes read per tier; for the shared first level, its hit ratio next to the exact LRU simulation
+of the same trace and capacity (:func:`shoal.testing.bench.kv_trace.simulate_lru`).
 
 Every assumption and its source is in docs/kv_replay.md. Storage ``local``: the storage is a
-directory on this machine's disk (shoal: DRAM pool + local-disk tier; the fallback: its LRU +
-the directory, one file per block). Storage ``cluster`` (needs root): the instances run in a
-host namespace of the emulated cluster (:mod:`shoal.testing.cluster.hosts`), the storage is its S3,
-loaded by another tenant (:class:`~shoal.testing.cluster.load.BackgroundLoad`); shoal has DRAM,
-a bounded local tier (``--local-blocks``) and the S3. Usage::
+directory on this machine's disk (``storage`` and ``private-lru+perkey``: one file per block;
+shoal: a local-disk tier). Storage ``cluster`` (needs root): the instances run in a host namespace
+of the emulated cluster (:mod:`shoal.testing.cluster.hosts`), the storage is its S3, loaded by
+another tenant (:class:`~shoal.testing.cluster.load.BackgroundLoad`); shoal has a bounded local tier
+(``--local-blocks``) and the S3. Usage::
 
     python benchmarks/kv_replay.py --minutes 2 --storage local            # a smoke run, no root
     sudo python benchmarks/kv_replay.py --storage local,cluster --out /tmp/kv.json \
@@ -36,8 +39,10 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from shoal.testing.bench.kv_serving import (
+    FIRST_LEVEL_POLICIES,
     POLICIES,
     QWEN25_14B,
+    RENAMED,
     ModelLayout,
     ServingConfig,
     replay_instance,
@@ -88,11 +93,12 @@ def _configs(args: argparse.Namespace, storage: str, root: str) -> list[ServingC
             block_tokens=args.block_tokens,
             high_water=args.high_water,
             shared_lookup=args.shared_lookup,
+            staging_blocks=args.staging_blocks,
         )
         if storage == "local":
             if policy == "shoal":
                 cfg = replace(cfg, local_root=os.path.join(root, run, "local"))
-            elif policy == "perkey":
+            elif policy in ("storage", "private-lru+perkey"):
                 cfg = replace(cfg, shared_url=os.path.join(root, run, "storage"))
         else:
             url = f"s3://kvreplay/{run}"
@@ -101,7 +107,7 @@ def _configs(args: argparse.Namespace, storage: str, root: str) -> list[ServingC
                     cfg, local_root=os.path.join(root, run, "local"), local_blocks=args.local_blocks,
                     shared_url=url, s3=True,
                 )  # fmt: skip
-            elif policy == "perkey":
+            elif policy in ("storage", "private-lru+perkey"):
                 cfg = replace(cfg, shared_url=url, s3=True)
         out.append(cfg)
     return out
@@ -189,10 +195,20 @@ def _run_cluster(args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
 
 def _clean(cfg: ServingConfig) -> None:
     shutil.rmtree(cfg.dram_root, ignore_errors=True)
+    shutil.rmtree(cfg.staging_root, ignore_errors=True)
     if cfg.local_root:
         shutil.rmtree(os.path.dirname(cfg.local_root), ignore_errors=True)
     if cfg.shared_url and not cfg.s3:
         shutil.rmtree(os.path.dirname(cfg.shared_url), ignore_errors=True)
+
+
+def _legacy(config: dict[str, Any]) -> dict[str, Any]:
+    """A saved run's config, its policy named as now: files written before the shared first level
+    have ``perkey`` (now ``private-lru+perkey``) and a ``recompute`` that had no cache (``nocache``)."""
+    if "staging_blocks" in config:
+        return config
+    return {**config, "policy": {"perkey": "private-lru+perkey", "recompute": "nocache"}.get(
+        config["policy"], config["policy"])}  # fmt: skip
 
 
 def report(saved: dict[str, Any]) -> dict[str, Any]:
@@ -202,23 +218,25 @@ def report(saved: dict[str, Any]) -> dict[str, Any]:
     full_block = replace(QWEN25_14B, tp=args["tp"], block_tokens=tokens).block_bytes
     out: dict[str, Any] = {"storages": {}}
     for storage, runs in saved["results"].items():
-        first = ServingConfig(**runs[0]["config"])
+        first = ServingConfig(**_legacy(runs[0]["config"]))
         reqs = window(load_trace(first.trace, block_tokens=first.block_tokens), first.minutes)
         chains = prefix_chains(reqs)
         rows = {}
         for run in runs:
-            cfg = ServingConfig(**run["config"])
+            legacy = "staging_blocks" not in run["config"]
+            cfg = ServingConfig(**_legacy(run["config"]))
             row = summarize(run["ranks"], cfg, full_block)
-            if cfg.policy == "shoal":
-                sim = simulate_lru(chains, cfg.dram_blocks, backed=True)
+            if cfg.policy in FIRST_LEVEL_POLICIES:
+                # the shared first level's exact model (a run from before it: shoal's whole store)
+                sim = simulate_lru(chains, cfg.dram_blocks, backed=legacy)
                 row["lru_dram_hit_ratio"] = sim.dram_hit_ratio
                 row["lru_prefix_hit_ratio"] = sim.prefix_hit_ratio
             row["wall_s"] = run["wall_s"]
             rows[cfg.policy] = row
         gains = {}
         if "shoal" in rows:
-            for other in ("perkey", "recompute"):
-                if other in rows:
+            for other in rows:
+                if other != "shoal":
                     gains[other] = 1.0 - rows["shoal"]["ttft"]["mean"] / rows[other]["ttft"]["mean"]
         out["storages"][storage] = {
             "trace": trace_summary(reqs),
@@ -241,8 +259,8 @@ def _print(rep: dict[str, Any]) -> None:
             f"over {t['span_s']:.0f} s\n"
         )
         cols = ["policy", "TTFT mean", "p50", "p90", "p99", "queue", "fetch", "of it: lookup", "prefill"]
-        cols += ["writer wait", "hit: dram", "local", "storage", "recomputed"]
-        cols += ["read GiB (full scale): dram", "local", "storage", "LRU sim dram"]
+        cols += ["writer wait", "hit: dram", "staging", "local", "storage", "recomputed"]
+        cols += ["read GiB (full scale): dram", "staging", "local", "storage", "LRU sim dram"]
         print("| " + " | ".join(cols) + " |")
         print("|---|" + "---:|" * (len(cols) - 1))
         for policy, r in s["rows"].items():
@@ -254,9 +272,10 @@ def _print(rep: dict[str, Any]) -> None:
             print(
                 f"| {policy} | {r['ttft']['mean']:.3f} | {r['ttft']['p50']:.3f} | {r['ttft']['p90']:.3f} | "
                 f"{r['ttft']['p99']:.3f} | {p['queue']:.3f} | {p['fetch']:.3f} | {lookup:.3f} | "
-                f"{p['prefill']:.3f} | {wait:.3f} | {h.get('dram', 0):.1%} | {h.get('local', 0):.1%} | "
-                f"{h.get('shared', 0):.1%} | {r['recomputed_ratio']:.1%} | {gib.get('dram', 0):.0f} | "
-                f"{gib.get('local', 0):.0f} | {gib.get('shared', 0):.0f} | {lru} |"
+                f"{p['prefill']:.3f} | {wait:.3f} | {h.get('dram', 0):.1%} | {h.get('staging', 0):.1%} | "
+                f"{h.get('local', 0):.1%} | {h.get('shared', 0):.1%} | {r['recomputed_ratio']:.1%} | "
+                f"{gib.get('dram', 0):.0f} | {gib.get('staging', 0):.0f} | {gib.get('local', 0):.0f} | "
+                f"{gib.get('shared', 0):.0f} | {lru} |"
             )
         for other, g in s["shoal_lower_mean_ttft_than"].items():
             word = "lower" if g >= 0 else "higher"
@@ -273,7 +292,7 @@ def _plot(rep: dict[str, Any], path: str, saved: dict[str, Any]) -> None:
     fig, axes = plt.subplots(1, len(storages), figsize=(5.5 * len(storages), 4), squeeze=False)
     for ax, storage in zip(axes[0], storages, strict=True):
         for run in saved["results"][storage]:
-            cfg = ServingConfig(**run["config"])
+            cfg = ServingConfig(**_legacy(run["config"]))
             xs = sorted(r["ttft"] * cfg.speedup for rank in run["ranks"] for r in rank["records"])
             mean = rep["storages"][storage]["rows"][cfg.policy]["ttft"]["mean"]
             ax.plot(
@@ -313,7 +332,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--shared-lookup", choices=("ask", "host"), default="host",
         help="shoal's KVConfig.shared_lookup (one serving host: its index knows what it wrote)",
     )  # fmt: skip
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument(
+        "--staging-blocks", type=int, default=64,
+        help="shoal's fallback: its DRAM staging area (evicted blocks on their way down), in blocks",
+    )  # fmt: skip
+    ap.add_argument(
+        "--policies", default="recompute,storage,shoal,private-lru+perkey",
+        help=f"comma-separated, of {','.join(POLICIES)}",
+    )  # fmt: skip
     ap.add_argument("--storage", default="local", help="local, cluster, or local,cluster")
     ap.add_argument("--dram-dir", default="/dev/shm")
     ap.add_argument(
@@ -336,8 +362,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--plot", default=None, help="draw the TTFT distributions to this PNG")
     args = ap.parse_args(argv)
     for p in args.policies.split(","):
+        if p in RENAMED:
+            ap.error(
+                f"--policies: {p!r} is now {RENAMED[p]!r} (a private LRU per instance); the per-key "
+                f"fallback under the shared first level is 'storage'"
+            )
         if p not in POLICIES:
             ap.error(f"--policies: unknown policy {p!r}; choose from {','.join(POLICIES)}")
+    if args.staging_blocks < 1:
+        ap.error(f"--staging-blocks must be >= 1, got {args.staging_blocks}")
     if args.block_tokens < 1:
         ap.error(f"--block-tokens must be >= 1, got {args.block_tokens}")
     for s in args.storage.split(","):

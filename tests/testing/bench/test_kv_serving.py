@@ -1,24 +1,32 @@
 """The serving simulator of the KV replay: the layout's bytes, the per-request accounting of every
-policy, and shoal's DRAM hits against the exact LRU simulation of the same trace and capacity."""
+policy, the first level every compared policy shares (the same hits request by request, and the
+exact LRU simulation's), and what each fallback below it keeps and reads."""
 
 from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from shoal.errors import ShoalError
+from shoal.errors import ConfigError, ShoalError
+from shoal.kv import chain_keys
 from shoal.testing.bench.kv_serving import (
+    FIRST_LEVEL_POLICIES,
+    POLICIES,
     QWEN25_14B,
     PerKeyFallback,
+    PerObjectStorage,
     ServingConfig,
-    ShoalPolicy,
+    ShoalFallback,
+    TwoLevelPolicy,
     make_policy,
     scaled_link_mbit,
+    serve_request,
     serve_requests,
     summarize,
 )
@@ -61,6 +69,15 @@ def _config(tmp_path: Path, trace: str, policy: str, **kw: Any) -> ServingConfig
     return replace(base, **kw)
 
 
+def _below(tmp_path: Path, policy: str) -> dict[str, Any]:
+    """What the policy needs below its first level (a storage directory, a local tier)."""
+    if policy in ("storage", "private-lru+perkey"):
+        return {"shared_url": str(tmp_path / f"{policy}-storage")}
+    if policy == "shoal":
+        return {"local_root": str(tmp_path / "shoal-local"), "staging_blocks": 8}
+    return {}
+
+
 def _replay(cfg: ServingConfig, instances: int = 1) -> dict[str, Any]:
     reqs = load_trace(cfg.trace, block_tokens=cfg.block_tokens)
     policy = make_policy(cfg, instances)
@@ -77,44 +94,99 @@ def test_the_default_layout_is_qwen25_14b_in_bf16() -> None:
     assert QWEN25_14B.namespace == "qwen2.5-14b/bf16-L48-H8-D128-B512-TP1"
 
 
-def _dram_replay(tmp_path: Path, extra: int) -> tuple[list[int], list[int], dict[str, Any]]:
-    """A pool that holds the longest request plus ``extra`` blocks (in the benchmark it holds
-    thousands of requests) and fewer blocks than the trace has: the store's DRAM hits per request
-    and the LRU simulation's."""
-    trace = _trace(tmp_path / "t.jsonl")
-    reqs = load_trace(trace)
-    capacity = max(r.blocks for r in reqs) + extra
-    assert capacity < len(set().union(*prefix_chains(reqs)))  # something is evicted
-    out = _replay(_config(tmp_path, trace, "shoal", dram_blocks=capacity))
-    sim = simulate_lru(prefix_chains(reqs), capacity, backed=False)
-    got = [r["fetched"].get("dram", 0) for r in out["records"]]
-    tiers = out["policy"]["tiers"]
-    assert tiers["dram"]["bytes_used"] <= tiers["dram"]["capacity"]
-    assert out["policy"]["wrong"] == 0
-    return got, sim.dram_hits, out
+def _first_level_replay(tmp_path: Path, policy: str, trace: str, capacity: int) -> dict[str, Any]:
+    cfg = _config(
+        tmp_path, trace, policy, dram_blocks=capacity, dram_root=str(tmp_path / policy / "dram"),
+        **_below(tmp_path, policy),
+    )  # fmt: skip
+    out = _replay(cfg)
+    first = out["policy"]["first_level"]
+    assert first["wrong"] == 0 and first["errors"] == 0
+    assert first["dram"]["bytes_used"] <= first["dram"]["capacity"]
+    return out
 
 
 @pytest.mark.parametrize("extra", [0, 5, 30])
-def test_shoal_dram_hits_equal_the_lru_simulation_hit_for_hit(tmp_path: Path, extra: int) -> None:
-    """Request by request (222 hits at 29 blocks, 269 at 34, 340 at 59)."""
-    got, want, _ = _dram_replay(tmp_path, extra)
-    assert sum(want) > 0
-    assert got == want
+def test_the_policies_see_the_same_first_level_hits_request_by_request(tmp_path: Path, extra: int) -> None:
+    """One trace, one pool capacity (the longest request plus ``extra`` blocks; fewer than the
+    trace's distinct blocks, so the pool evicts): recompute, storage and shoal hit the first level
+    in the same requests for the same blocks, as the exact LRU simulation of that pool does, while
+    their fallbacks below it differ (storage and shoal serve blocks from below, recompute none)."""
+    trace = _trace(tmp_path / "t.jsonl")
+    reqs = load_trace(trace)
+    chains = prefix_chains(reqs)
+    capacity = max(r.blocks for r in reqs) + extra
+    assert capacity < len(set().union(*chains))  # something is evicted
+    hits: dict[str, list[int]] = {}
+    below: dict[str, int] = {}
+    for policy in FIRST_LEVEL_POLICIES:
+        out = _first_level_replay(tmp_path, policy, trace, capacity)
+        records = out["records"]
+        hits[policy] = [r["first_level_hits"] for r in records]
+        assert hits[policy] == [r["fetched"].get("dram", 0) for r in records]
+        below[policy] = sum(sum(r["fetched"].values()) - r["first_level_hits"] for r in records)
+    assert hits["recompute"] == hits["storage"] == hits["shoal"]
+    assert hits["recompute"] == simulate_lru(chains, capacity, backed=False).dram_hits
+    assert sum(hits["recompute"]) > 0
+    assert below["recompute"] == 0 and below["storage"] > 0 and below["shoal"] > 0
 
 
-def test_shoal_with_a_local_tier_fetches_every_prefix_ever_stored(tmp_path: Path) -> None:
+def test_the_first_level_is_one_pool_for_the_hosts_instances(tmp_path: Path) -> None:
+    """Two instances, requests alternating between them (round-robin), one pool: the first-level
+    hits of each policy are those of one LRU pool over the whole trace (a block one instance put is
+    a hit for the other), the same under every fallback."""
+    trace = _trace(tmp_path / "t.jsonl", seed=7)
+    reqs = load_trace(trace)
+    chains = prefix_chains(reqs)
+    capacity = max(r.blocks for r in reqs) + 5
+    hits: dict[str, list[int]] = {}
+    for policy in FIRST_LEVEL_POLICIES:
+        cfg = _config(
+            tmp_path, trace, policy, dram_blocks=capacity, dram_root=str(tmp_path / policy / "dram"),
+            **_below(tmp_path, policy),
+        )  # fmt: skip
+        every = {k.digest: k for r in reqs for k in chain_keys(cfg.namespace, 0, r.hash_ids)}
+        instances = [make_policy(cfg, 2, every) for _ in range(2)]
+        try:
+            got = []
+            for i, req in enumerate(reqs):
+                inst = instances[i % 2]
+                assert isinstance(inst, TwoLevelPolicy)
+                keys = chain_keys(cfg.namespace, 0, req.hash_ids)
+                record = serve_request(req, keys, inst, cfg, time.monotonic())
+                inst.first.store_.flush()  # its LRU update lands before the other instance's put
+                inst.store(inst.to_store(keys, record["tiers"]))
+                got.append(record["first_level_hits"])
+        finally:
+            for inst in instances:
+                inst.close()
+        hits[policy] = got
+    assert hits["recompute"] == hits["storage"] == hits["shoal"]
+    assert hits["recompute"] == simulate_lru(chains, capacity, backed=False).dram_hits
+    assert sum(hits["recompute"][1::2]) > 0
+
+
+@pytest.mark.parametrize("policy", ["storage", "shoal"])
+def test_a_fallback_keeps_what_the_first_level_evicts(tmp_path: Path, policy: str) -> None:
+    """A first level of 4 blocks (smaller than most requests): every block it evicts or cannot hold
+    goes below, so every prefix ever stored is fetched (from the first level or from below)."""
     trace = _trace(tmp_path / "t.jsonl", seed=2)
-    cfg = _config(tmp_path, trace, "shoal", dram_blocks=4, local_root=str(tmp_path / "local"))
-    out = _replay(cfg)
-    sim = simulate_lru(prefix_chains(load_trace(trace)), 4, backed=True)
+    out = _first_level_replay(tmp_path, policy, trace, 4)
     records = out["records"]
+    sim = simulate_lru(prefix_chains(load_trace(trace)), 4, backed=True)
     assert [sum(r["fetched"].values()) for r in records] == sim.prefix
-    assert sum(r["fetched"].get("local", 0) for r in records) > 0
+    lower = "shared" if policy == "storage" else "local"
+    assert sum(r["fetched"].get(lower, 0) for r in records) > 0
+    stats = out["policy"]
+    assert stats["first_level"]["evicted"] > 0 and stats["unknown_evicted"] == 0
+    if policy == "storage":
+        assert stats["below"]["reads"] == sum(r["fetched"].get("shared", 0) for r in records)
+        assert stats["below"]["wrong"] == 0
 
 
-def test_the_per_key_fallback_reads_its_storage_block_by_block(tmp_path: Path) -> None:
+def test_the_private_lru_fallback_reads_its_storage_block_by_block(tmp_path: Path) -> None:
     trace = _trace(tmp_path / "t.jsonl", seed=3)
-    cfg = _config(tmp_path, trace, "perkey", dram_blocks=8, shared_url=str(tmp_path / "storage"))
+    cfg = _config(tmp_path, trace, "private-lru+perkey", dram_blocks=8, shared_url=str(tmp_path / "storage"))
     out = _replay(cfg, instances=2)  # the fallback's private LRU gets 8 // 2 blocks
     sim = simulate_lru(prefix_chains(load_trace(trace)), 0, backed=True)
     records = out["records"]
@@ -124,13 +196,16 @@ def test_the_per_key_fallback_reads_its_storage_block_by_block(tmp_path: Path) -
     assert stats["reads"] == sum(r["fetched"].get("shared", 0) for r in records)
 
 
+def test_the_former_perkey_name_is_refused_naming_the_new_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'perkey' is now 'private-lru\\+perkey'.*'storage'"):
+        _config(tmp_path, "t.jsonl", "perkey")
+
+
 def test_a_wrong_block_on_the_storage_is_never_counted_as_a_hit(tmp_path: Path) -> None:
     trace = _trace(tmp_path / "t.jsonl", seed=4, requests=10)
-    cfg = _config(tmp_path, trace, "perkey", dram_blocks=0, shared_url=str(tmp_path / "storage"))
+    cfg = _config(tmp_path, trace, "private-lru+perkey", dram_blocks=0, shared_url=str(tmp_path / "storage"))
     policy = make_policy(cfg, 1)
     assert isinstance(policy, PerKeyFallback)
-    from shoal.kv import chain_keys
-
     keys = chain_keys(cfg.namespace, 0, [7, 8])
     policy.store(keys)
     assert policy.fetch(keys) == ["shared", "shared"]
@@ -140,10 +215,26 @@ def test_a_wrong_block_on_the_storage_is_never_counted_as_a_hit(tmp_path: Path) 
     policy.close()
 
 
-@pytest.mark.parametrize("policy", ["recompute", "perkey", "shoal"])
+def test_a_wrong_block_below_the_first_level_is_never_counted_as_a_hit(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, "t.jsonl", "storage", dram_blocks=1, shared_url=str(tmp_path / "storage"))
+    policy = make_policy(cfg, 1)
+    assert isinstance(policy, TwoLevelPolicy) and isinstance(policy.below, PerObjectStorage)
+    keys = chain_keys(cfg.namespace, 0, [7, 8, 9])
+    assert policy.fetch(keys) == []
+    policy.store(keys)  # the pool holds one block; the other two go to the storage, one object each
+    assert policy.below.counts["writes"] == 2
+    assert policy.fetch(keys) == ["dram", "shared", "shared"]
+    policy.below.tier.write(keys[2].digest, b"\0" * BLOCK)  # another block's bytes under this key
+    policy.below._there.discard(keys[2].digest)
+    assert policy.fetch(keys) == ["dram", "shared"]
+    assert policy.below.counts["wrong"] == 1
+    policy.close()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_every_block_is_fetched_or_recomputed(tmp_path: Path, policy: str) -> None:
     trace = _trace(tmp_path / "t.jsonl", seed=5)
-    cfg = _config(tmp_path, trace, policy, shared_url=str(tmp_path / "s") if policy == "perkey" else None)
+    cfg = _config(tmp_path, trace, policy, **_below(tmp_path, policy))
     out = _replay(cfg)
     reqs = load_trace(trace)
     for req, r in zip(reqs, out["records"], strict=True):
@@ -151,7 +242,7 @@ def test_every_block_is_fetched_or_recomputed(tmp_path: Path, policy: str) -> No
         cached = min(512 * sum(r["fetched"].values()), req.input_length)
         assert r["uncached_tokens"] == req.input_length - cached
         assert r["ttft"] >= r["fetch"] + r["prefill"] - 1e-9
-    if policy == "recompute":
+    if policy == "nocache":
         assert all(not r["fetched"] for r in out["records"])
     rep = summarize([out], cfg, 96 << 20)
     assert rep["requests"] == len(reqs)
@@ -169,14 +260,14 @@ def test_summarize_refuses_inconsistent_accounting(tmp_path: Path) -> None:
 
 def test_shoal_overlapping_puts_still_stores_every_block(tmp_path: Path) -> None:
     trace = _trace(tmp_path / "t.jsonl", seed=6)
-    cfg = _config(tmp_path, trace, "shoal", dram_blocks=1000, overlap_puts=True)
+    cfg = _config(tmp_path, trace, "shoal", dram_blocks=1000, overlap_puts=True, **_below(tmp_path, "shoal"))
     policy = make_policy(cfg, 1)
-    assert isinstance(policy, ShoalPolicy)
+    assert isinstance(policy, TwoLevelPolicy) and isinstance(policy.below, ShoalFallback)
     reqs = load_trace(trace)
     try:
         serve_requests(reqs, policy, cfg, t0=0.0, origin_ms=0)
         distinct = len(set().union(*prefix_chains(reqs)))
-        assert policy.store_.stats().tiers["dram"].blocks == distinct
+        assert policy.first.store_.stats().tiers["dram"].blocks == distinct
     finally:
         policy.close()
 

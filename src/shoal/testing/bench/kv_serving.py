@@ -14,8 +14,15 @@ its prefills one at a time, in arrival order. For one request (:func:`serve_requ
    the instance's time line: at most :data:`MAX_PUTS_IN_FLIGHT` requests' blocks wait to be
    stored (they hold accelerator memory until then), beyond that the instance waits.
 
-The three policies (:class:`Recompute`, :class:`PerKeyFallback`, :class:`ShoalPolicy`) implement
-:class:`Policy`. :func:`replay_instance` is the scenario one rank runs (under
+The policies implement :class:`Policy`. Three of them (``recompute``, ``storage``, ``shoal``) are one
+:class:`FirstLevel` (the host's shared DRAM pool, identical in all three) composed by
+:class:`TwoLevelPolicy` with a :class:`Fallback` below it (:class:`NothingBelow`,
+:class:`PerObjectStorage`, :class:`ShoalFallback`): what the first level serves, touches and
+stores is decided by the first level and the trace alone, never by the fallback, so the three
+see the same first-level hits request by request (docs/kv_replay.md, "The policies"). Two more
+are rows of their own: ``private-lru+perkey`` (:class:`PerKeyFallback`: a private LRU per
+instance, then per-key reads, the replay's former ``perkey``) and ``nocache`` (:class:`NoCache`).
+:func:`replay_instance` is the scenario one rank runs (under
 :func:`shoal.testing.multiproc.run_ranks` on one machine, or
 :meth:`shoal.testing.cluster.hosts.Cluster.run_ranks` in a host namespace of the emulated cluster);
 it returns per-request records as JSON, which :func:`summarize` turns into the report.
@@ -34,21 +41,28 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from shoal.errors import ConfigError, MissingFile, ShoalError
-from shoal.kv import DRAM, SHARED, BlockKey, KVConfig, KVStore, chain_keys, namespace_for
+from shoal.kv import DRAM, SHARED, BlockKey, KVConfig, KVEvent, KVStore, chain_keys, namespace_for
 from shoal.kv.pool import physical_bytes
 from shoal.testing.bench.kv_trace import BLOCK_TOKENS, TraceRequest, account, load_trace, window
 from shoal.tiers import Tier, open_tier
 
 __all__ = [
+    "FIRST_LEVEL_POLICIES",
     "MAX_PUTS_IN_FLIGHT",
     "POLICIES",
+    "RENAMED",
+    "Fallback",
+    "FirstLevel",
     "ModelLayout",
+    "NoCache",
+    "NothingBelow",
     "PerKeyFallback",
+    "PerObjectStorage",
     "Policy",
     "QWEN25_14B",
-    "Recompute",
     "ServingConfig",
-    "ShoalPolicy",
+    "ShoalFallback",
+    "TwoLevelPolicy",
     "make_policy",
     "replay_instance",
     "scaled_link_mbit",
@@ -56,7 +70,16 @@ __all__ = [
     "summarize",
 ]
 
-POLICIES = ("recompute", "perkey", "shoal")
+FIRST_LEVEL_POLICIES = ("recompute", "storage", "shoal")
+"""The policies that share one first level (:class:`FirstLevel`) and differ only below it."""
+POLICIES = (*FIRST_LEVEL_POLICIES, "private-lru+perkey", "nocache")
+RENAMED = {"perkey": "private-lru+perkey"}
+"""Former policy names: refused with a message naming the new one (``recompute`` kept its name
+but is now the first level with nothing below; the former no-cache row is ``nocache``)."""
+_STAGING_HIGH_WATER = 0.5
+"""shoal's staging area writes its blocks back once it is half full (it is a way down, not a cache)."""
+STAGING = "staging"
+"""The tier name of a block :class:`ShoalFallback` served from its DRAM staging area."""
 MAX_PUTS_IN_FLIGHT = 4
 """Requests whose new blocks may wait for the writer thread before the instance itself waits."""
 _CHECK = 32
@@ -122,10 +145,19 @@ class ServingConfig:
     high_water: float = 1.0
     shared_lookup: str = "ask"
     """shoal's ``KVConfig.shared_lookup``."""
+    staging_blocks: int = 64
+    """The DRAM staging area of shoal's fallback (:class:`ShoalFallback`), in blocks: evicted blocks
+    wait there for their write-back to the local tier, reads from below pass through it."""
     overlap_puts: bool = True
     start_delay_s: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.policy in RENAMED:
+            raise ConfigError(
+                f"ServingConfig.policy {self.policy!r} is now {RENAMED[self.policy]!r} (a private LRU "
+                f"per instance, then per-key reads); the per-key fallback under the shared first level "
+                f"is 'storage'"
+            )
         if self.policy not in POLICIES:
             raise ConfigError(f"ServingConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("speedup", "per_token_s", "minutes"):
@@ -137,11 +169,24 @@ class ServingConfig:
             or self.block_tokens < 1
         ):
             raise ConfigError(f"ServingConfig.block_tokens must be an int >= 1, got {self.block_tokens!r}")
+        if (
+            isinstance(self.staging_blocks, bool)
+            or not isinstance(self.staging_blocks, int)
+            or self.staging_blocks < 1
+        ):
+            raise ConfigError(
+                f"ServingConfig.staging_blocks must be an int >= 1, got {self.staging_blocks!r}"
+            )
         if self.block_bytes < _CHECK or self.dram_blocks < 0:
             raise ConfigError(
                 f"ServingConfig: block_bytes must be >= {_CHECK} and dram_blocks >= 0, "
                 f"got {self.block_bytes} and {self.dram_blocks}"
             )
+
+    @property
+    def staging_root(self) -> str:
+        """Where shoal's fallback keeps its DRAM staging area (next to the first level's pool)."""
+        return self.dram_root.rstrip("/") + "-staging"
 
 
 def scaled_link_mbit(full_scale_gbps: float, speedup: float, byte_scale: float) -> float:
@@ -167,6 +212,10 @@ class Policy(Protocol):
         """Read the longest stored prefix of ``keys``; the tier each of its blocks came from."""
         ...
 
+    def to_store(self, keys: Sequence[BlockKey], tiers: Sequence[str]) -> Sequence[BlockKey]:
+        """Of a request's ``keys``, whose prefix came from ``tiers``, the blocks :meth:`store` gets."""
+        ...
+
     def store(self, keys: Sequence[BlockKey]) -> None:
         """Keep the request's new blocks (called on the writer thread)."""
         ...
@@ -190,10 +239,15 @@ def _right_block(key: BlockKey, data: bytes | bytearray | memoryview) -> bool:
     return bytes(data[:_CHECK]) == key.prefix_hash
 
 
-class Recompute:
-    """Never fetches, never stores: every prefill computes the whole prompt."""
+def _not_fetched(keys: Sequence[BlockKey], tiers: Sequence[str]) -> Sequence[BlockKey]:
+    return keys[len(tiers) :]
+
+
+class NoCache:
+    """Never fetches, never stores: every prefill computes the whole prompt (no first level)."""
 
     lookup_s = 0.0
+    to_store = staticmethod(_not_fetched)
 
     def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
         return []
@@ -212,9 +266,12 @@ class Recompute:
 
 
 class PerKeyFallback:
-    """A plain storage fallback: a private in-process LRU of ``dram_blocks`` blocks, then one read
-    per block on the shared storage through :class:`shoal.tiers.Tier`, in order, until the first
-    miss; every new block is written through to the storage, one by one. No batching, no local tier."""
+    """Policy ``private-lru+perkey``: a private in-process LRU of ``dram_blocks`` blocks per
+    instance (not the shared first level), then one read per block on the shared storage through
+    :class:`shoal.tiers.Tier`, in order, until the first miss; every new block is written through
+    to the storage, one by one. No batching, no local tier."""
+
+    to_store = staticmethod(_not_fetched)
 
     def __init__(self, tier: Tier, dram_blocks: int, block_bytes: int, base: bytes) -> None:
         self.tier = tier
@@ -282,14 +339,192 @@ class PerKeyFallback:
         self.tier.close()
 
 
-class ShoalPolicy:
-    """shoal's store: the host's DRAM pool (shared by the host's instances), local disk, shared
-    storage; the prefix found by one ``lookup_prefix``, read by one ``get_batch_into``, stored by
-    one ``put_batch`` per request."""
+class FirstLevel:
+    """The first level every ``recompute`` / ``storage`` / ``shoal`` replay has: the host's DRAM
+    pool (shoal's own, :class:`shoal.kv.KVStore` with no tier below it), shared by the host's
+    instances (one ``dram_root``), of ``dram_blocks`` blocks, LRU. It is the level a serving
+    system such as Mooncake keeps for itself; the fallbacks below it are what the policies compare.
 
-    def __init__(self, store: KVStore, block_bytes: int, base: bytes) -> None:
+    Its operations per request are fixed here, whatever is below it (:class:`TwoLevelPolicy`):
+    :meth:`fetch` serves the longest prefix the pool holds (touched as one batch, head first);
+    :meth:`keep` puts every other block of the request, fetched from below or recomputed, as one
+    batch, after the request's prefill. Blocks are dropped only when a put needs their room; the
+    evicted ones, and the ones that did not fit, are handed back so that a fallback can keep them.
+    So the pool's contents and order follow the trace and the capacity alone
+    (:func:`~shoal.testing.bench.kv_trace.simulate_lru` with ``backed=False`` is its exact model)."""
+
+    def __init__(self, dram_root: str, dram_blocks: int, block_bytes: int, high_water: float = 1.0) -> None:
+        phys = physical_bytes(block_bytes)
+        self.block_bytes = block_bytes
+        self.store_ = KVStore(
+            KVConfig(dram_root=dram_root, dram_bytes=max(phys, dram_blocks * phys), high_water=high_water)
+        )
+        self._evicted: list[str] = []
+        self._lock = threading.Lock()
+        self.store_.add_listener(self._on_event)
+        self._buffers: list[bytearray] = []
+        self.lookup_s = 0.0
+        """Seconds the last :meth:`fetch` spent finding the prefix (its reads not included)."""
+        self.counts = {"wrong": 0, "errors": 0, "evicted": 0, "not_kept": 0}
+
+    def _on_event(self, event: KVEvent) -> None:
+        if event.kind == "evicted":
+            with self._lock:
+                self._evicted.append(event.digest)
+
+    def fetch(self, keys: Sequence[BlockKey]) -> int:
+        """How many blocks of ``keys``, from the first, the pool served (read and checked)."""
+        t = time.monotonic()
+        k = self.store_.lookup_prefix(keys)
+        self.lookup_s = time.monotonic() - t
+        while len(self._buffers) < k:
+            self._buffers.append(bytearray(self.block_bytes))
+        results = self.store_.get_batch_into(keys[:k], self._buffers[:k])
+        n = 0
+        for key, result, buf in zip(keys[:k], results, self._buffers, strict=False):
+            if result.status != "hit":  # another instance's put evicted it since the lookup
+                self.counts["errors"] += result.status == "error"
+                break
+            if not _right_block(key, buf):
+                self.counts["wrong"] += 1
+                break
+            n += 1
+        return n
+
+    def keep(self, keys: Sequence[BlockKey], blocks: Sequence[bytes]) -> tuple[list[str], list[BlockKey]]:
+        """Put ``blocks`` as one batch; the digests the pool evicted meanwhile (this process's
+        puts evict inline, there is no tier to write back to) and the keys it could not hold."""
+        not_kept = [r.key for r in self.store_.put_batch(keys, blocks) if r.error is not None]
+        with self._lock:
+            evicted, self._evicted = self._evicted, []
+        self.counts["evicted"] += len(evicted)
+        self.counts["not_kept"] += len(not_kept)
+        return evicted, not_kept
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counts, "dram": asdict(self.store_.stats().tiers[DRAM])}
+
+    def close(self) -> None:
+        self.store_.close()
+
+
+class Fallback(Protocol):
+    """What a :class:`TwoLevelPolicy` has below its :class:`FirstLevel`."""
+
+    lookup_s: float
+
+    def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
+        """Read the longest prefix of ``keys`` this level holds; the tier of each block."""
+        ...
+
+    def write_back(self, keys: Sequence[BlockKey], blocks: Sequence[bytes]) -> None:
+        """Keep blocks the first level evicted (or could not hold); on the writer thread."""
+        ...
+
+    def warm(self) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class NothingBelow:
+    """Policy ``recompute``'s fallback: none. A block the first level evicted is recomputed."""
+
+    lookup_s = 0.0
+
+    def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
+        return []
+
+    def write_back(self, keys: Sequence[BlockKey], blocks: Sequence[bytes]) -> None:
+        return None
+
+    def warm(self) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        return None
+
+
+class PerObjectStorage:
+    """Policy ``storage``'s fallback: the plain storage fallback of a serving system's own KV pool.
+
+    It follows Mooncake Store's description of its storage offload: an object that would be
+    evicted from memory is persisted to the storage, and a get that finds no memory replica falls
+    back to reading it from there (Mooncake's "SSD Offload Design",
+    kvcache-ai.github.io/Mooncake/design/ssd-offload.html); on a shared file system each object is
+    one file named by its key, a get is a synchronous read of that file (Mooncake RFC "KVCache
+    offloading to SSD in DFS", github.com/kvcache-ai/Mooncake/issues/578). Here: each evicted
+    block is written to the shared storage as one object (:class:`shoal.tiers.Tier`, one write
+    per block, on the writer thread); on a first-level miss the request's next blocks are read
+    one per key, in order, until the first that is not there. No batching, no local tier, no
+    DRAM of its own. (:mod:`shoal.kv.mooncake` maps Mooncake's method names onto shoal's store;
+    it has no storage offload of its own to follow.)"""
+
+    def __init__(self, tier: Tier, block_bytes: int) -> None:
+        self.tier = tier
+        self.block_bytes = block_bytes
+        self.lookup_s = 0.0
+        self._there: set[str] = set()
+        """Digests this instance wrote or read there: an evicted block known to be stored is not
+        written again (another instance's copy may be: an object written twice is the same bytes)."""
+        self.counts = {"reads": 0, "writes": 0, "misses": 0, "wrong": 0, "errors": 0, "write_errors": 0}
+
+    def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
+        tiers: list[str] = []
+        for key in keys:
+            try:
+                data = self.tier.read(key.digest)
+            except MissingFile:
+                self.counts["misses"] += 1
+                break
+            except (ShoalError, OSError):  # the storage failed this read: recompute from here
+                self.counts["errors"] += 1
+                break
+            self.counts["reads"] += 1
+            if len(data) != self.block_bytes or not _right_block(key, data):
+                self.counts["wrong"] += 1
+                break
+            self._there.add(key.digest)
+            tiers.append(SHARED)
+        return tiers
+
+    def write_back(self, keys: Sequence[BlockKey], blocks: Sequence[bytes]) -> None:
+        for key, data in zip(keys, blocks, strict=True):
+            if key.digest in self._there:
+                continue
+            try:
+                self.tier.write(key.digest, data)
+            except (ShoalError, OSError):  # not stored: a later request recomputes it
+                self.counts["write_errors"] += 1
+                continue
+            self._there.add(key.digest)
+            self.counts["writes"] += 1
+
+    def warm(self) -> None:
+        self.tier.exists(_WARM)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.counts)
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+class ShoalFallback:
+    """Policy ``shoal``'s fallback: shoal's store below the first level. A :class:`shoal.kv.KVStore`
+    whose pool is a small DRAM staging area (``staging_blocks``, shared by the host's instances):
+    an evicted block is put there by one ``put_batch`` and written back to the local tier by the
+    store's background thread (the local tier, when bounded, spills to the shared tier); on a
+    first-level miss the rest of the prefix is found by one ``lookup_prefix`` and read by one
+    ``get_batch_into`` (staging, local, then the shared tier in parallel threads, every block
+    verified). Blocks served from the staging area are reported as tier ``staging``."""
+
+    def __init__(self, store: KVStore, block_bytes: int) -> None:
         self.store_ = store
-        self.base = base
         self.block_bytes = block_bytes
         self._buffers: list[bytearray] = []
         self.lookup_s = 0.0
@@ -310,11 +545,10 @@ class ShoalPolicy:
             if not _right_block(key, buf):
                 self.counts["wrong"] += 1
                 break
-            tiers.append(result.tier)
+            tiers.append(STAGING if result.tier == DRAM else result.tier)
         return tiers
 
-    def store(self, keys: Sequence[BlockKey]) -> None:
-        blocks = [block_bytes_for(key, self.base) for key in keys]
+    def write_back(self, keys: Sequence[BlockKey], blocks: Sequence[bytes]) -> None:
         for r in self.store_.put_batch(keys, blocks):
             self.counts["put_errors"] += r.error is not None
 
@@ -331,36 +565,120 @@ class ShoalPolicy:
         self.store_.close()
 
 
-def make_policy(cfg: ServingConfig, instances: int) -> Policy:
+class TwoLevelPolicy:
+    """A :class:`FirstLevel` with a :class:`Fallback` below it: policies ``recompute``, ``storage``
+    and ``shoal``. Per request: the first level serves its prefix; the fallback is asked for the
+    blocks after it; every block the first level did not serve is then kept in the first level
+    (:meth:`to_store`), and what the first level evicted goes to the fallback. The first level is
+    never told what the fallback found, so its hits are the same under every fallback.
+
+    ``keys``: the blocks of the whole replay by digest (every instance's), so that an evicted block
+    that another instance put can be written back; blocks this policy sees are added to it."""
+
+    def __init__(
+        self,
+        first: FirstLevel,
+        below: Fallback,
+        base: bytes,
+        keys: Mapping[str, BlockKey] | None = None,
+    ) -> None:
+        self.first = first
+        self.below = below
+        self.base = base
+        self._keys: dict[str, BlockKey] = dict(keys or {})
+        self._first_hits = 0
+        self.lookup_s = 0.0
+        self.counts = {"unknown_evicted": 0}
+
+    def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
+        for key in keys:
+            self._keys.setdefault(key.digest, key)
+        k = self.first.fetch(keys)
+        tiers = [DRAM] * k
+        self.lookup_s = self.first.lookup_s
+        if k < len(keys):
+            tiers += self.below.fetch(keys[k:])
+            self.lookup_s += self.below.lookup_s
+        return tiers
+
+    def to_store(self, keys: Sequence[BlockKey], tiers: Sequence[str]) -> Sequence[BlockKey]:
+        k = 0
+        while k < len(tiers) and tiers[k] == DRAM:
+            k += 1
+        return keys[k:]
+
+    def store(self, keys: Sequence[BlockKey]) -> None:
+        evicted, not_kept = self.first.keep(keys, [block_bytes_for(key, self.base) for key in keys])
+        down = list(not_kept)
+        for digest in evicted:
+            key = self._keys.get(digest)
+            if key is None:
+                self.counts["unknown_evicted"] += 1
+                continue
+            down.append(key)
+        if down:
+            self.below.write_back(down, [block_bytes_for(key, self.base) for key in down])
+
+    def warm(self) -> None:
+        self.below.warm()
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counts, "first_level": self.first.stats(), "below": self.below.stats()}
+
+    def close(self) -> None:
+        try:
+            self.below.close()
+        finally:
+            self.first.close()
+
+
+def make_policy(cfg: ServingConfig, instances: int, keys: Mapping[str, BlockKey] | None = None) -> Policy:
     """The policy of ``cfg`` for one instance of ``instances`` on this host.
 
-    The per-key fallback's private LRU gets ``dram_blocks // instances`` blocks, so that the
-    host's instances use the same DRAM in all as shoal's one shared pool of ``dram_blocks``."""
+    ``recompute``, ``storage`` and ``shoal`` get the same :class:`FirstLevel` (the host's pool at
+    ``dram_root``, ``dram_blocks`` blocks) and differ only in the :class:`Fallback` below it;
+    ``keys``: every block of the replay by digest (:class:`TwoLevelPolicy`). The private LRU of
+    ``private-lru+perkey`` gets ``dram_blocks // instances`` blocks, so that the host's instances
+    use the same DRAM in all as the one shared pool of ``dram_blocks``."""
     base = os.urandom(cfg.block_bytes)
     options = None
     if cfg.s3:
         from shoal.testing.s3 import s3_storage_options
 
         options = s3_storage_options(os.environ["SHOAL_S3_ENDPOINT"])
-    if cfg.policy == "recompute":
-        return Recompute()
-    if cfg.policy == "perkey":
-        if cfg.shared_url is None:
-            raise ConfigError("the per-key fallback needs ServingConfig.shared_url (its storage)")
+    if cfg.policy == "nocache":
+        return NoCache()
+    if cfg.policy in ("private-lru+perkey", "storage") and cfg.shared_url is None:
+        raise ConfigError(f"policy {cfg.policy!r} needs ServingConfig.shared_url (its storage)")
+    if cfg.policy == "private-lru+perkey":
+        assert cfg.shared_url is not None
         tier = open_tier("shared", cfg.shared_url, options)
         return PerKeyFallback(tier, cfg.dram_blocks // instances, cfg.block_bytes, base)
-    phys = physical_bytes(cfg.block_bytes)
-    kv = KVConfig(
-        dram_root=cfg.dram_root,
-        dram_bytes=max(phys, cfg.dram_blocks * phys),
-        local_root=cfg.local_root,
-        local_bytes=None if cfg.local_blocks is None else cfg.local_blocks * phys,
-        shared_url=cfg.shared_url,
-        storage_options=options,
-        high_water=cfg.high_water,
-        shared_lookup=cfg.shared_lookup,
-    )
-    return ShoalPolicy(KVStore(kv), cfg.block_bytes, base)
+    below: Fallback
+    if cfg.policy == "recompute":
+        below = NothingBelow()
+    elif cfg.policy == "storage":
+        assert cfg.shared_url is not None
+        below = PerObjectStorage(open_tier("shared", cfg.shared_url, options), cfg.block_bytes)
+    else:
+        phys = physical_bytes(cfg.block_bytes)
+        kv = KVConfig(
+            dram_root=cfg.staging_root,
+            dram_bytes=cfg.staging_blocks * phys,
+            local_root=cfg.local_root,
+            local_bytes=None if cfg.local_blocks is None else cfg.local_blocks * phys,
+            shared_url=cfg.shared_url,
+            storage_options=options,
+            high_water=_STAGING_HIGH_WATER,
+            shared_lookup=cfg.shared_lookup,
+        )
+        below = ShoalFallback(KVStore(kv), cfg.block_bytes)
+    try:
+        first = FirstLevel(cfg.dram_root, cfg.dram_blocks, cfg.block_bytes, cfg.high_water)
+    except BaseException:
+        below.close()
+        raise
+    return TwoLevelPolicy(first, below, base, keys)
 
 
 class _Writer:
@@ -416,6 +734,9 @@ def serve_request(
     start = time.monotonic()
     tiers = policy.fetch(keys)
     fetched = time.monotonic()
+    first_hits = 0
+    while first_hits < len(tiers) and tiers[first_hits] == DRAM:
+        first_hits += 1
     acct = account(req, tiers, block_tokens=cfg.block_tokens)
     time.sleep(acct.uncached_tokens * cfg.per_token_s / cfg.speedup)
     done = time.monotonic()
@@ -431,6 +752,8 @@ def serve_request(
         "fetched": acct.fetched,
         "recomputed": acct.recomputed,
         "uncached_tokens": acct.uncached_tokens,
+        "first_level_hits": first_hits,
+        "tiers": tiers,
     }
 
 
@@ -449,7 +772,7 @@ def serve_requests(
             keys = chain_keys(cfg.namespace, 0, req.hash_ids)
             record = serve_request(req, keys, policy, cfg, arrival)
             records.append(record)
-            writer.submit(keys[sum(record["fetched"].values()) :])
+            writer.submit(policy.to_store(keys, record.pop("tiers")))
     finally:
         writer.finish()
     return {
@@ -474,7 +797,8 @@ def replay_instance(rank: int, world: int, *, config: Mapping[str, Any]) -> dict
         prepare_bucket(rank, cfg.shared_url.removeprefix("s3://").split("/", 1)[0])
     reqs = window(load_trace(cfg.trace, block_tokens=cfg.block_tokens), cfg.minutes)
     mine = reqs[rank::world]
-    policy = make_policy(cfg, world)
+    keys = {k.digest: k for r in reqs for k in chain_keys(cfg.namespace, 0, r.hash_ids)}
+    policy = make_policy(cfg, world, keys)
     try:
         policy.warm()
         start = [time.monotonic() + cfg.start_delay_s]
