@@ -27,7 +27,6 @@ import argparse
 import os
 import shutil
 import statistics
-import tempfile
 import time
 import warnings
 from typing import Any
@@ -37,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
 
 import shoal
+from shoal.testing.bench.scratch import scratch
 
 
 def _bump(state: dict[str, Any]) -> None:
@@ -143,15 +143,8 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, state in states.items():
-        root = tempfile.mkdtemp(prefix="shoal-async-")
-        dram = tempfile.mkdtemp(
-            prefix="shoal-async-dram-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
-        )
-        try:
+        with scratch("shoal-async-") as (root, dram):
             r = measure(state, root, dram, args.repeats)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-            shutil.rmtree(dram, ignore_errors=True)
         ratio = med(r["async"]) / med(r["save"])
         pre = med(r["dcp_pre"])
         print(

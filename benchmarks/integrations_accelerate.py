@@ -17,7 +17,6 @@ import argparse
 import os
 import shutil
 import statistics
-import tempfile
 import time
 import warnings
 
@@ -28,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import shoal
 from shoal.integrations.accelerate import use_shoal
+from shoal.testing.bench.scratch import scratch
 
 
 class Seen:
@@ -50,13 +50,8 @@ def main() -> None:
     p.add_argument("--root", default=None, help="where both write (default: a temporary directory)")
     args = p.parse_args()
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-    root = tempfile.mkdtemp(prefix="shoal-bench-acc-", dir=args.root)
-    dram = tempfile.mkdtemp(prefix="shoal-bench-acc-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    try:
+    with scratch("shoal-bench-acc-", args.root) as (root, dram):
         run(args, root, dram)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(dram, ignore_errors=True)
 
 
 def run(args: argparse.Namespace, root: str, dram: str) -> None:

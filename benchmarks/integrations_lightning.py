@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import tempfile
 import time
 import warnings
 from typing import Any
@@ -35,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import shoal
 from shoal.integrations.lightning import ShoalCheckpointIO
+from shoal.testing.bench.scratch import scratch
 
 
 class Wide(L.LightningModule):
@@ -93,9 +92,7 @@ def main() -> None:
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     layers = max(1, round(args.mib * 2**20 / (4 * (args.width * args.width + args.width))))
-    root = tempfile.mkdtemp(prefix="shoal-lit-bench-", dir=args.dir)
-    dram = tempfile.mkdtemp(prefix="shoal-lit-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    try:
+    with scratch("shoal-lit-bench-", args.dir) as (root, dram):
         config = shoal.Config(shared=f"{root}/shared", local=f"{root}/local", dram=dram, job="bench")
         io = ShoalCheckpointIO(config)
         timer = TimeSaves(root, io, args.every)
@@ -122,9 +119,6 @@ def main() -> None:
         print(f"  shoal (ShoalCheckpointIO, B1):         {ours * 1e3:8.1f} ms stall")
         print(f"  shoal to B4 (background):              {statistics.median(timer.to_b4[1:]) * 1e3:8.1f} ms")
         print(f"  ratio default / shoal:                 {default / ours:8.2f}x")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(dram, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import tempfile
 import time
 import warnings
 
 import torch
-import torch.distributed as dist
 
 import shoal
+from shoal.testing.bench.scratch import scratch
 
 
 def main() -> None:
@@ -37,17 +35,8 @@ def main() -> None:
     args = p.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron.core: no Apex, no TE
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    root = tempfile.mkdtemp(prefix="shoal-bench-megatron-", dir=args.root)
-    dram = tempfile.mkdtemp(
-        prefix="shoal-bench-megatron-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
-    )
-    dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
-    try:
+    with scratch("shoal-bench-megatron-", args.root, process_group=True) as (root, dram):
         run(args, root, dram)
-    finally:
-        dist.destroy_process_group()
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(dram, ignore_errors=True)
 
 
 def run(args: argparse.Namespace, root: str, dram: str) -> None:

@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shutil
 import statistics
-import tempfile
 import time
 import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -37,6 +34,7 @@ from torchtitan.models.llama3 import Transformer, llama3_args
 
 import shoal
 from shoal.integrations.torchtitan import ShoalCheckpointManager
+from shoal.testing.bench.scratch import scratch
 
 
 class TrainState:
@@ -57,17 +55,8 @@ def main() -> None:
     p.add_argument("--root", default=None, help="where both write (default: a temporary directory)")
     args = p.parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    root = tempfile.mkdtemp(prefix="shoal-bench-titan-", dir=args.root)
-    dram = tempfile.mkdtemp(
-        prefix="shoal-bench-titan-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
-    )
-    dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
-    try:
+    with scratch("shoal-bench-titan-", args.root, process_group=True) as (root, dram):
         run(args, root, dram)
-    finally:
-        dist.destroy_process_group()
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(dram, ignore_errors=True)
 
 
 def run(args: argparse.Namespace, root: str, dram: str) -> None:
