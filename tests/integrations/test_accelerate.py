@@ -29,22 +29,14 @@ from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_
 from torch.utils.data import DataLoader, TensorDataset
 
 import shoal
-from shoal.cli.main import main as shoal_cli
 from shoal.errors import CheckpointExists, ConfigError, StateMismatch, UnsupportedValue
 from shoal.integrations.accelerate import ShoalState, use_shoal
+
+from .shoal_ls import committed
 
 SCRIPT = Path(__file__).with_name("accelerate_train.py")
 SRC = Path(shoal.__file__).resolve().parents[1]
 SET_VITAL = "ignore:'set_vital' is deprecated:UserWarning"  # torchdata's StatefulDataLoader, on each iterator
-
-
-def committed(shared: Path, job: str, capsys: pytest.CaptureFixture[str]) -> tuple[list[int], int | None]:
-    """The committed (B4) steps on the shared tier and LATEST, as ``shoal ls --json`` lists them."""
-    capsys.readouterr()
-    assert shoal_cli(["ls", str(shared / job), "--json"]) == 0
-    listing = json.loads(capsys.readouterr().out)
-    steps = [c["step"] for c in listing["checkpoints"] if c["boundary"] == "RESTARTABLE"]
-    return steps, listing["latest"]
 
 
 def same(a: Any, b: Any, where: str = "") -> None:
@@ -139,7 +131,7 @@ def test_two_processes_killed_after_a_commit_resume_bit_exact(
         for part in ("model", "optimizer", "scheduler", "progress", "torch_rng", "python_rng", "numpy_rng"):
             same(uninterrupted[part], resumed[part], f"rank {rank} {part}")
     # total_limit=2 is shoal's keep_last: of steps 0..3 the shared tier keeps the newest two
-    assert committed(root / "shared", "acc", capsys) == ([2, 3], 3)
+    assert committed(root / "shared" / "acc", capsys) == ([2, 3], 3)
 
 
 # -- one process, in this process -----------------------------------------------------------

@@ -22,7 +22,8 @@ pytest.importorskip("torchtitan")
 from shoal.testing.checkpoints import assert_identical  # noqa: E402
 from shoal.testing.multiproc import run_ranks  # noqa: E402
 
-from .test_torchtitan import committed, state_of  # noqa: E402
+from .shoal_ls import committed  # noqa: E402
+from .test_torchtitan import state_of  # noqa: E402
 from .torchtitan_train import train  # noqa: E402
 
 

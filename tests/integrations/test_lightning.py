@@ -34,12 +34,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import shoal  # noqa: E402
-from shoal.cli.main import main as shoal_cli  # noqa: E402
 from shoal.format import layout  # noqa: E402
 from shoal.integrations.lightning import ShoalCheckpointIO  # noqa: E402
 from shoal.testing.checkpoints import assert_identical
 
 from .lightning_train import Net  # noqa: E402
+from .shoal_ls import committed
 
 SCRIPT = Path(__file__).with_name("lightning_train.py")
 SRC = Path(shoal.__file__).resolve().parents[1]
@@ -97,14 +97,6 @@ def _tagged(lines: list[str], tag: str) -> list[int | None]:
     found = [line.split()[1:] for line in lines if line.startswith(tag + " ")]
     assert len(found) == 1, f"{tag}: {found}"
     return [None if v == "None" else int(v) for v in found[0]]
-
-
-def _committed(job_url: Path, capsys: pytest.CaptureFixture[str]) -> tuple[list[int], int | None]:
-    """The steps ``shoal ls`` shows committed (B4), and LATEST."""
-    capsys.readouterr()
-    assert shoal_cli(["ls", str(job_url), "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    return sorted(c["step"] for c in doc["checkpoints"] if c["boundary"] == "RESTARTABLE"), doc["latest"]
 
 
 def _pointers(ckpt_dir: Path) -> dict[str, int]:
@@ -166,7 +158,7 @@ def test_ddp_sigkilled_after_b4_resumes_from_last_bit_exact_and_retention_is_lig
             "epoch=3-step=8.ckpt": 8,
             "last.ckpt": 8,
         }
-        assert _committed(root / "shared" / "lit", capsys) == ([6, 8], 8)
+        assert committed(root / "shared" / "lit", capsys) == ([6, 8], 8)
 
 
 @pytest.mark.timeout(400)
@@ -192,7 +184,7 @@ def test_model_parallel_fsdp2_resumes_from_a_pointer_bit_exact(
         "epoch=2-step=6.ckpt": 6,
         "last.ckpt": 6,
     }
-    assert _committed(tmp_path / "shared" / "lit", capsys) == ([2, 4, 6], 6)
+    assert committed(tmp_path / "shared" / "lit", capsys) == ([2, 4, 6], 6)
     # every rank loads its shards of step 4 into the live fully_shard model and optimizer
     resume = str(tmp_path / "ckpts" / "epoch=1-step=4.ckpt")
     out = _run(
@@ -303,7 +295,7 @@ def test_checkpoint_io_resumes_from_last_bit_exact_keeps_lightnings_top_k_and_re
     model = _net({"odd": ODD})
     _fit(root, shm_path / "run", model, 4)
     assert _pointers(root / "ckpts") == {"epoch=0-step=2.ckpt": 2, "epoch=0-step=4.ckpt": 4, "last.ckpt": 4}
-    assert _committed(root / "shared" / "one", capsys) == ([2, 4], 4)
+    assert committed(root / "shared" / "one", capsys) == ([2, 4], 4)
     # every file restores exactly the dict Lightning handed over (the two of step 4 each its own)
     # from the one shoal step they share
     first, last = model.saved[-2:]
@@ -322,7 +314,7 @@ def test_checkpoint_io_resumes_from_last_bit_exact_keeps_lightnings_top_k_and_re
     straight = _fit(tmp_path / "straight", shm_path / "straight", _net({"odd": ODD}), 6)
     _assert_same_training_state(_final(resumed), _final(straight))
     assert _pointers(root / "ckpts") == {"epoch=0-step=4.ckpt": 4, "epoch=1-step=6.ckpt": 6, "last.ckpt": 6}
-    assert _committed(root / "shared" / "one", capsys) == ([4, 6], 6)
+    assert committed(root / "shared" / "one", capsys) == ([4, 6], 6)
 
 
 @pytest.mark.timeout(300)
@@ -374,11 +366,11 @@ def test_pointers_share_a_step_which_is_removed_with_the_last_pointer_naming_it(
         io.save_checkpoint({**checkpoint, "global_step": 5}, ckpts / "epoch=0-step=5.ckpt")
         io.remove_checkpoint(ckpts / "epoch=0-step=3.ckpt")  # last.ckpt still names step 3
         assert io.checkpointer.wait(60)
-        assert _committed(tmp_path / "shared" / "one", capsys) == ([3, 5], 5)
+        assert committed(tmp_path / "shared" / "one", capsys) == ([3, 5], 5)
         io.save_checkpoint({**checkpoint, "global_step": 5}, ckpts / "last.ckpt")  # 3 named by nothing now
         assert io.checkpointer.wait(60)
         assert _pointers(ckpts) == {"epoch=0-step=5.ckpt": 5, "last.ckpt": 5}
-        assert _committed(tmp_path / "shared" / "one", capsys) == ([5], 5)
+        assert committed(tmp_path / "shared" / "one", capsys) == ([5], 5)
         assert_identical(io.load_checkpoint(ckpts / "last.ckpt"), {**checkpoint, "global_step": 5})
     finally:
         io.teardown()

@@ -19,7 +19,6 @@ at the end), and the refusals that need no process group.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -28,22 +27,14 @@ pytest.importorskip("nvidia_resiliency_ext")
 pytest.importorskip("megatron.core")
 
 import shoal  # noqa: E402
-from shoal.cli.main import main as shoal_cli  # noqa: E402
 from shoal.errors import ConfigError  # noqa: E402
 from shoal.integrations.megatron import ShoalLocalCheckpointManager, use_shoal  # noqa: E402
 from shoal.testing.multiproc import run_ranks  # noqa: E402
 
 from .megatron_train import basic_round_trip, resume, train_then_die  # noqa: E402
+from .shoal_ls import committed
 
 HOSTS = ["h0", "h1"]
-
-
-def committed(job_url: Path, capsys: pytest.CaptureFixture[str]) -> tuple[list[int], int | None]:
-    """The steps ``shoal ls`` shows committed (B4) on the shared tier, and LATEST."""
-    capsys.readouterr()
-    assert shoal_cli(["ls", str(job_url), "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    return sorted(c["step"] for c in doc["checkpoints"] if c["boundary"] == "RESTARTABLE"), doc["latest"]
 
 
 @pytest.mark.timeout(300)

@@ -20,7 +20,6 @@ steps 8 and 6; what is committed on the shared tier after each run (``interval``
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +28,10 @@ import torch
 
 pytest.importorskip("torchtitan")
 
-from shoal.cli.main import main as shoal_cli  # noqa: E402
 from shoal.testing.checkpoints import assert_identical
 from shoal.testing.multiproc import run_ranks  # noqa: E402
 
+from .shoal_ls import committed
 from .torchtitan_train import train, train_runs  # noqa: E402
 
 HOSTS = ["h0", "h1"]
@@ -40,14 +39,6 @@ HOSTS = ["h0", "h1"]
 
 def state_of(data: bytes) -> dict[str, Any]:
     return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def committed(job_url: Path, capsys: pytest.CaptureFixture[str]) -> tuple[list[int], int | None]:
-    """The steps ``shoal ls`` shows committed (B4) on the shared tier, and LATEST."""
-    capsys.readouterr()
-    assert shoal_cli(["ls", str(job_url), "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    return sorted(c["step"] for c in doc["checkpoints"] if c["boundary"] == "RESTARTABLE"), doc["latest"]
 
 
 @pytest.mark.timeout(400)
