@@ -151,10 +151,32 @@ class Board:
 class Fabric:
     """Collectives and point-to-point chunk streams of one rank."""
 
-    def __init__(self, group: Any, rank: int, world_size: int) -> None:
+    def __init__(
+        self, group: Any, rank: int, world_size: int, global_ranks: Sequence[int] | None = None
+    ) -> None:
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self._global = tuple(global_ranks) if global_ranks is not None else None
+        """The job's rank of each of this fabric's ranks, for a fabric over some of the job's ranks."""
+
+    def _peer(self, r: int) -> int:
+        """The job's rank of this fabric's rank ``r`` (point-to-point calls name the job's ranks)."""
+        return r if self._global is None else self._global[r]
+
+    @classmethod
+    def subgroups(cls, groups: Sequence[Sequence[int]], timeout: float) -> Fabric | None:
+        """Collective (every rank of the job, the same ``groups`` in the same order): a gloo group
+        for each list of the job's ranks; this rank's fabric over the one it is in (None if none)."""
+        mine: Fabric | None = None
+        me = dist.get_rank()
+        for ranks in groups:
+            group = dist.new_group(
+                ranks=list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=timeout)
+            )
+            if me in ranks:
+                mine = cls(group, list(ranks).index(me), len(ranks), ranks)
+        return mine
 
     @classmethod
     def create(cls, timeout: float) -> Fabric:
@@ -173,7 +195,7 @@ class Fabric:
         if self.group is None:
             return [obj]
         out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
+        dist.gather_object(obj, out, dst=self._peer(0), group=self.group)
         return out
 
     def broadcast(self, obj: Any) -> Any:
@@ -181,7 +203,7 @@ class Fabric:
         if self.group is None:
             return obj
         box = [obj if self.is_coordinator else None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, src=self._peer(0), group=self.group)
         return box[0]
 
     def all_gather(self, obj: Any) -> list[Any]:
@@ -204,7 +226,7 @@ class Fabric:
                 raise RuntimeError("a one-rank fabric has no peers to send chunks to")
             return []
         return [
-            dist.isend(torch.frombuffer(view, dtype=torch.uint8), dst=dst, group=self.group)
+            dist.isend(torch.frombuffer(view, dtype=torch.uint8), dst=self._peer(dst), group=self.group)
             for dst, views in sends
             for view in views
         ]
@@ -219,7 +241,7 @@ class Fabric:
         if receives and self.group is None:
             raise RuntimeError("a one-rank fabric has no peers to receive chunks from")
         return [
-            dist.irecv(torch.frombuffer(buf, dtype=torch.uint8), src=src, group=self.group)
+            dist.irecv(torch.frombuffer(buf, dtype=torch.uint8), src=self._peer(src), group=self.group)
             for src, buf in receives
         ]
 
@@ -237,7 +259,7 @@ class Fabric:
         for src, lengths in receives:
             for n in lengths:
                 buf = torch.frombuffer(scratch, dtype=torch.uint8, count=n)
-                dist.recv(buf, src=src, group=self.group)
+                dist.recv(buf, src=self._peer(src), group=self.group)
                 yield memoryview(scratch)[:n]
 
     @staticmethod

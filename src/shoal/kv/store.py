@@ -352,9 +352,18 @@ class KVStore:
     # -- get ------------------------------------------------------------------------------
 
     def get_batch_into(
-        self, keys: Sequence[BlockKey], buffers: Sequence[Buffer], *, deadline: float | None = None
+        self,
+        keys: Sequence[BlockKey],
+        buffers: Sequence[Buffer],
+        *,
+        deadline: float | None = None,
+        for_peer: bool = False,
     ) -> list[GetResult]:
-        """Fill each buffer with its key's verified block (module docstring); one result per key."""
+        """Fill each buffer with its key's verified block (module docstring); one result per key.
+
+        ``for_peer``: a read on another host's behalf (:class:`shoal.kv.peers.PeerServer`): only
+        this host's tiers (DRAM, local disk) are read, never the shared one, and the read is not a
+        use of the blocks here: their LRU order is not touched and nothing is promoted."""
         self._check_open()
         began = time.monotonic()
         _check_keys(keys, "get_batch_into")
@@ -370,7 +379,8 @@ class KVStore:
             except ConfigError as e:
                 results[i] = GetResult(key, "error", error=e)
         corrupt: set[int] = set()
-        todo = self._read_pass(self._pool_read, DRAM, keys, views, results, corrupt, deadline, 0)
+        use = not for_peer
+        todo = self._read_pass(self._pool_read, DRAM, keys, views, results, corrupt, deadline, 0, use)
         asked = DRAM
         if todo and self._lower:
             # read before any lower tier's bytes: a promotion of what is read now is discarded if a
@@ -379,9 +389,9 @@ class KVStore:
             if self._local is not None:
                 asked = LOCAL
                 todo = self._read_pass(
-                    self._local.read_into, LOCAL, keys, todo, results, corrupt, deadline, since
+                    self._local.read_into, LOCAL, keys, todo, results, corrupt, deadline, since, use
                 )
-            if self._shared is not None and todo:
+            if self._shared is not None and todo and use:
                 asked = SHARED
                 todo = self._shared_pass(keys, todo, results, corrupt, deadline, since)
         for i in todo:
@@ -408,8 +418,11 @@ class KVStore:
         corrupt: set[int],
         deadline: float | None,
         since: int,
+        use: bool = True,
     ) -> dict[int, memoryview]:
-        """Read what ``tier`` holds of ``views``, in the calling thread; return what is still missing."""
+        """Read what ``tier`` holds of ``views``, in the calling thread; return what is still missing.
+
+        ``use``: the read is a use of the blocks (DRAM hits touched, lower hits promoted)."""
         missing: dict[int, memoryview] = {}
         hits: list[str] = []
         for i, view in views.items():
@@ -418,10 +431,10 @@ class KVStore:
                 results[i] = GetResult(key, "miss", reason="deadline")
                 continue
             if self._take(
-                tier, i, key, view, partial(read, key.digest, view), results, corrupt, missing, since
+                tier, i, key, view, partial(read, key.digest, view), results, corrupt, missing, since, use
             ):
                 hits.append(key.digest)
-        if tier == DRAM:
+        if tier == DRAM and use:
             self._writeback.touch(hits)  # the LRU update, off the read path
         return missing
 
@@ -436,6 +449,7 @@ class KVStore:
         corrupt: set[int],
         missing: dict[int, memoryview],
         since: int,
+        use: bool = True,
     ) -> bool:
         """One key's read from ``tier`` (``attempt`` fills ``view``, verified, or says it is absent):
         its result on a hit or an error, into ``missing`` otherwise (a corrupt copy is dropped)."""
@@ -458,7 +472,7 @@ class KVStore:
             return False
         results[i] = GetResult(key, "hit", tier=tier, nbytes=view.nbytes)
         counters.add(hits=1, bytes_read=view.nbytes)
-        if tier != DRAM:
+        if tier != DRAM and use:
             self._writeback.promote(key.digest, bytes(view), tier, since)
         return True
 

@@ -47,6 +47,7 @@ from shoal.testing.bench.kv_trace import BLOCK_TOKENS, TraceRequest, account, lo
 from shoal.tiers import Tier, open_tier
 
 __all__ = [
+    "ABLATIONS",
     "FIRST_LEVEL_POLICIES",
     "MAX_PUTS_IN_FLIGHT",
     "POLICIES",
@@ -70,7 +71,15 @@ __all__ = [
     "summarize",
 ]
 
-FIRST_LEVEL_POLICIES = ("recompute", "storage", "shoal")
+ABLATIONS = {
+    "shoal-no-local": "local",
+    "shoal-no-batch": "batch",
+    "shoal-no-fabric": "fabric",
+    "shoal-no-grouped": "grouped",
+}
+"""shoal with one mechanism off: its local tier, batched reads, the fabric path to other hosts,
+grouped reads across an instance's TP ranks."""
+FIRST_LEVEL_POLICIES = ("recompute", "storage", "shoal", *ABLATIONS)
 """The policies that share one first level (:class:`FirstLevel`) and differ only below it."""
 POLICIES = (*FIRST_LEVEL_POLICIES, "private-lru+perkey", "nocache")
 RENAMED = {"perkey": "private-lru+perkey"}
@@ -150,6 +159,13 @@ class ServingConfig:
     wait there for their write-back to the local tier, reads from below pass through it."""
     overlap_puts: bool = True
     start_delay_s: float = 2.0
+    tp: int = 1
+    """Ranks per serving instance (tensor parallel); each rank needs every block of its requests
+    (the KV block is replicated across the instance's ranks: docs/kv_replay.md)."""
+    fabric_mbit: float | None = None
+    """The fabric link's shaped rate (mbit/s here), for the peer fetches' link use; None: unshaped."""
+    peer_timeout_s: float = 2.0
+    """The longest a fetch from a peer host may take before its blocks are misses."""
 
     def __post_init__(self) -> None:
         if self.policy in RENAMED:
@@ -187,6 +203,24 @@ class ServingConfig:
     def staging_root(self) -> str:
         """Where shoal's fallback keeps its DRAM staging area (next to the first level's pool)."""
         return self.dram_root.rstrip("/") + "-staging"
+
+    @property
+    def off(self) -> str | None:
+        """The mechanism this ablation of shoal switches off (:data:`ABLATIONS`), or None."""
+        return ABLATIONS.get(self.policy)
+
+    @property
+    def is_shoal(self) -> bool:
+        return self.policy == "shoal" or self.policy in ABLATIONS
+
+    def on_host(self, host: str) -> ServingConfig:
+        """This config with the host's own roots: each host has its own pool and local tier."""
+        from dataclasses import replace
+
+        def under(path: str | None) -> str | None:
+            return None if path is None else os.path.join(path, host)
+
+        return replace(self, dram_root=os.path.join(self.dram_root, host), local_root=under(self.local_root))
 
 
 def scaled_link_mbit(full_scale_gbps: float, speedup: float, byte_scale: float) -> float:
@@ -519,24 +553,88 @@ class ShoalFallback:
     whose pool is a small DRAM staging area (``staging_blocks``, shared by the host's instances):
     an evicted block is put there by one ``put_batch`` and written back to the local tier by the
     store's background thread (the local tier, when bounded, spills to the shared tier); on a
-    first-level miss the rest of the prefix is found by one ``lookup_prefix`` and read by one
-    ``get_batch_into`` (staging, local, then the shared tier in parallel threads, every block
-    verified). Blocks served from the staging area are reported as tier ``staging``."""
+    first-level miss the rest of the prefix is found by one lookup and read by one batch
+    (staging, local, then the shared tier in parallel threads, every block verified). Blocks
+    served from the staging area are reported as tier ``staging``.
 
-    def __init__(self, store: KVStore, block_bytes: int) -> None:
+    With :meth:`attach_peers` (several hosts), the fabric path sits between the local and the
+    shared tier (:class:`shoal.kv.peers.PeeredStore`): blocks other hosts announced are fetched
+    from them, verified on arrival; the blocks this host's first level keeps are announced.
+    With ``grouped`` (TP > 1) the instance's ranks read each block once between them
+    (:class:`shoal.kv.GroupedReader`) and the bytes reach the other ranks over the fabric.
+    ``batched=False`` (the ``shoal-no-batch`` ablation): one lookup and one read per block, in
+    order, until the first miss. ``agree``: the instance's agreement on a count (its ranks must
+    make the same grouped reads)."""
+
+    def __init__(
+        self,
+        store: KVStore,
+        block_bytes: int,
+        *,
+        batched: bool = True,
+        local: bool = True,
+        agree: Any = None,
+    ) -> None:
         self.store_ = store
         self.block_bytes = block_bytes
+        self.batched = batched
+        self.local = local
+        self.agree = agree or (lambda n: n)
+        self.peers: Any = None
+        self.peered: Any = None
+        self.grouped: Any = None
         self._buffers: list[bytearray] = []
         self.lookup_s = 0.0
-        self.counts = {"wrong": 0, "errors": 0, "put_errors": 0}
+        self.counts = {"wrong": 0, "errors": 0, "put_errors": 0, "grouped_calls": 0}
+        self._shared_written: list[str] = []
+        self._lock = threading.Lock()
+        store.add_listener(self._on_event)
+
+    def attach_peers(self, client: Any) -> None:
+        from shoal.kv.peers import PeeredStore
+
+        self.peers = client
+        self.peered = PeeredStore(self.store_, client)
+
+    def attach_grouped(self, fabric: Any, host: str) -> None:
+        from shoal.kv import GroupedReader
+
+        self.grouped = GroupedReader(self.peered or self.store_, fabric, host=host)
+
+    def _on_event(self, event: KVEvent) -> None:
+        if event.kind == "written_back" and event.tier == SHARED and self.peers is not None:
+            with self._lock:
+                self._shared_written.append(event.digest)
+
+    def _read(self, keys: Sequence[BlockKey], bufs: Sequence[bytearray]) -> list[Any]:
+        if self.grouped is not None:
+            self.counts["grouped_calls"] += 1
+            return list(self.grouped.get_batch_into(keys, bufs))
+        return list((self.peered or self.store_).get_batch_into(keys, bufs))
 
     def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
         t = time.monotonic()
-        k = self.store_.lookup_prefix(keys)
+        source = self.peered or self.store_
+        if self.batched:
+            k = source.lookup_prefix(keys)
+        else:  # one lookup per block, as a per-key fallback asks
+            k = 0
+            while k < len(keys) and source.lookup_prefix(keys[k : k + 1]) == 1:
+                k += 1
+        if self.grouped is not None:
+            k = self.agree(k)  # the instance's ranks read the same keys together
         self.lookup_s = time.monotonic() - t
         while len(self._buffers) < k:
             self._buffers.append(bytearray(self.block_bytes))
-        results = self.store_.get_batch_into(keys[:k], self._buffers[:k])
+        if self.batched:
+            results = self._read(keys[:k], self._buffers[:k])
+        else:
+            results = []
+            for i in range(k):
+                r = self._read(keys[i : i + 1], self._buffers[i : i + 1])[0]
+                results.append(r)
+                if r.status != "hit":
+                    break
         tiers: list[str] = []
         for key, result, buf in zip(keys[:k], results, self._buffers, strict=False):
             if result.status != "hit" or result.tier is None:
@@ -548,9 +646,21 @@ class ShoalFallback:
             tiers.append(STAGING if result.tier == DRAM else result.tier)
         return tiers
 
+    def kept(self, keys: Sequence[BlockKey]) -> None:
+        """The first level kept ``keys``: the other hosts learn that this host holds them."""
+        if self.peers is not None:
+            self.peers.announce("have", [k.digest for k in keys])
+            with self._lock:
+                shared, self._shared_written = self._shared_written, []
+            if shared:
+                self.peers.announce("shared", shared)
+
     def write_back(self, keys: Sequence[BlockKey], blocks: Sequence[bytes]) -> None:
         for r in self.store_.put_batch(keys, blocks):
             self.counts["put_errors"] += r.error is not None
+        if self.peers is not None and not self.local:
+            # no local tier: the evicted blocks pass through the staging area to the shared tier
+            self.peers.announce("gone", [k.digest for k in keys])
 
     def warm(self) -> None:
         # A get of an absent key reaches every tier, the shared one included (a lookup with
@@ -559,9 +669,16 @@ class ShoalFallback:
 
     def stats(self) -> dict[str, Any]:
         s = self.store_.stats()
-        return {**self.counts, "tiers": {name: asdict(t) for name, t in s.tiers.items()}}
+        out: dict[str, Any] = {**self.counts, "tiers": {name: asdict(t) for name, t in s.tiers.items()}}
+        if self.peers is not None:
+            out["peers"] = asdict(self.peers.stats)
+        if self.grouped is not None:
+            out["grouped"] = asdict(self.grouped.stats())
+        return out
 
     def close(self) -> None:
+        if self.peered is not None:
+            self.peered.close()
         self.store_.close()
 
 
@@ -581,10 +698,13 @@ class TwoLevelPolicy:
         below: Fallback,
         base: bytes,
         keys: Mapping[str, BlockKey] | None = None,
+        agree: Any = None,
     ) -> None:
         self.first = first
         self.below = below
         self.base = base
+        self.agree = agree or (lambda n: n)
+        """The instance's agreement on a count (TP > 1: the smallest over its ranks)."""
         self._keys: dict[str, BlockKey] = dict(keys or {})
         self._first_hits = 0
         self.lookup_s = 0.0
@@ -593,11 +713,12 @@ class TwoLevelPolicy:
     def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
         for key in keys:
             self._keys.setdefault(key.digest, key)
-        k = self.first.fetch(keys)
+        k = self.agree(self.first.fetch(keys))
         tiers = [DRAM] * k
         self.lookup_s = self.first.lookup_s
         if k < len(keys):
-            tiers += self.below.fetch(keys[k:])
+            below = self.below.fetch(keys[k:])
+            tiers += below[: self.agree(len(below))]
             self.lookup_s += self.below.lookup_s
         return tiers
 
@@ -609,6 +730,10 @@ class TwoLevelPolicy:
 
     def store(self, keys: Sequence[BlockKey]) -> None:
         evicted, not_kept = self.first.keep(keys, [block_bytes_for(key, self.base) for key in keys])
+        kept = getattr(self.below, "kept", None)
+        if kept is not None:
+            missing = {k.digest for k in not_kept}
+            kept([k for k in keys if k.digest not in missing])
         down = list(not_kept)
         for digest in evicted:
             key = self._keys.get(digest)
@@ -632,14 +757,21 @@ class TwoLevelPolicy:
             self.first.close()
 
 
-def make_policy(cfg: ServingConfig, instances: int, keys: Mapping[str, BlockKey] | None = None) -> Policy:
-    """The policy of ``cfg`` for one instance of ``instances`` on this host.
+def make_policy(
+    cfg: ServingConfig, instances: int, keys: Mapping[str, BlockKey] | None = None, agree: Any = None
+) -> Policy:
+    """The policy of ``cfg`` for one instance of ``instances`` on this host (``cfg``'s roots are
+    the host's: :meth:`ServingConfig.on_host`).
 
     ``recompute``, ``storage`` and ``shoal`` get the same :class:`FirstLevel` (the host's pool at
     ``dram_root``, ``dram_blocks`` blocks) and differ only in the :class:`Fallback` below it;
     ``keys``: every block of the replay by digest (:class:`TwoLevelPolicy`). The private LRU of
     ``private-lru+perkey`` gets ``dram_blocks // instances`` blocks, so that the host's instances
-    use the same DRAM in all as the one shared pool of ``dram_blocks``."""
+    use the same DRAM in all as the one shared pool of ``dram_blocks``. ``agree``: the instance's
+    agreement on a count (:meth:`~shoal.testing.bench.kv_instance.Instance.agree`; TP > 1).
+    shoal's ablations (:data:`ABLATIONS`) are made here when they are a store's setting (no
+    local tier, reads one block at a time); the fabric path and grouped reads are attached by
+    :func:`replay_instance`, which knows the hosts and the instance."""
     base = os.urandom(cfg.block_bytes)
     options = None
     if cfg.s3:
@@ -662,23 +794,26 @@ def make_policy(cfg: ServingConfig, instances: int, keys: Mapping[str, BlockKey]
         below = PerObjectStorage(open_tier("shared", cfg.shared_url, options), cfg.block_bytes)
     else:
         phys = physical_bytes(cfg.block_bytes)
+        local = cfg.off != "local"
         kv = KVConfig(
             dram_root=cfg.staging_root,
             dram_bytes=cfg.staging_blocks * phys,
-            local_root=cfg.local_root,
+            local_root=cfg.local_root if local else None,
             local_bytes=None if cfg.local_blocks is None else cfg.local_blocks * phys,
             shared_url=cfg.shared_url,
             storage_options=options,
             high_water=_STAGING_HIGH_WATER,
             shared_lookup=cfg.shared_lookup,
         )
-        below = ShoalFallback(KVStore(kv), cfg.block_bytes)
+        below = ShoalFallback(
+            KVStore(kv), cfg.block_bytes, batched=cfg.off != "batch", local=local, agree=agree
+        )
     try:
         first = FirstLevel(cfg.dram_root, cfg.dram_blocks, cfg.block_bytes, cfg.high_water)
     except BaseException:
         below.close()
         raise
-    return TwoLevelPolicy(first, below, base, keys)
+    return TwoLevelPolicy(first, below, base, keys, agree)
 
 
 class _Writer:
@@ -695,16 +830,19 @@ class _Writer:
         if overlap:
             self._thread.start()
 
-    def submit(self, keys: Sequence[BlockKey]) -> None:
-        """Hand over a request's new blocks; waits (in the instance's time line) when the queue is full."""
+    def submit(self, keys: Sequence[BlockKey]) -> float:
+        """Hand over a request's new blocks; waits (in the instance's time line) when the queue is
+        full. Returns the seconds it waited: the write-back's back-pressure on the request path."""
         if not keys:
-            return
+            return 0.0
+        t = time.monotonic()
         if not self.overlap:
             self._put(keys)
-            return
-        t = time.monotonic()
-        self._jobs.put(keys)
-        self.waited += time.monotonic() - t
+        else:
+            self._jobs.put(keys)
+        waited = time.monotonic() - t
+        self.waited += waited
+        return waited
 
     def _put(self, keys: Sequence[BlockKey]) -> None:
         t = time.monotonic()
@@ -758,12 +896,20 @@ def serve_request(
 
 
 def serve_requests(
-    requests: Sequence[TraceRequest], policy: Policy, cfg: ServingConfig, t0: float, origin_ms: int
+    requests: Sequence[TraceRequest],
+    policy: Policy,
+    cfg: ServingConfig,
+    t0: float,
+    origin_ms: int,
+    *,
+    leader: bool = True,
 ) -> dict[str, Any]:
     """Serve ``requests`` (this instance's share) in arrival order: the trace's instant
     ``origin_ms`` is the monotonic instant ``t0``. The records are in seconds of this machine
-    (:func:`summarize` scales them back to the trace's clock)."""
-    writer = _Writer(policy, cfg.overlap_puts)
+    (:func:`summarize` scales them back to the trace's clock). Only the instance's ``leader``
+    stores (its other TP ranks fetch with it, the blocks they keep are the same); each record's
+    ``writer_wait`` is what handing its blocks to the writer cost the instance."""
+    writer = _Writer(policy, cfg.overlap_puts and leader)
     records = []
     try:
         for req in requests:
@@ -772,7 +918,8 @@ def serve_requests(
             keys = chain_keys(cfg.namespace, 0, req.hash_ids)
             record = serve_request(req, keys, policy, cfg, arrival)
             records.append(record)
-            writer.submit(policy.to_store(keys, record.pop("tiers")))
+            new = policy.to_store(keys, record.pop("tiers"))
+            record["writer_wait"] = writer.submit(new) if leader else 0.0
     finally:
         writer.finish()
     return {
@@ -784,30 +931,53 @@ def serve_requests(
 
 
 def replay_instance(rank: int, world: int, *, config: Mapping[str, Any]) -> dict[str, Any]:
-    """The scenario of one rank = one serving instance: requests ``rank, rank + world, ...`` of the
-    trace window. Every rank loads the trace itself, builds its policy, then they agree on the
-    start instant (rank 0's clock plus ``start_delay_s``, broadcast; the monotonic clock is the
-    machine's, the same in every namespace) and replay. Returns :func:`serve_requests`' dict."""
+    """The scenario of one rank: TP rank ``rank % tp`` of serving instance ``rank // tp``, which
+    serves requests ``i, i + instances, ...`` of the trace window (round-robin over the
+    instances, host-major). Every rank loads the trace itself, builds its policy on its host's
+    roots; the job forms its instances and, for shoal on several hosts, its fabric path
+    (:mod:`shoal.testing.bench.kv_instance`); then the ranks agree on the start instant (rank 0's
+    clock plus ``start_delay_s``, broadcast; the monotonic clock is the machine's, the same in
+    every namespace) and replay. Returns :func:`serve_requests`' dict."""
     import torch.distributed as dist
 
+    from shoal.testing.bench.kv_instance import form, start_peers
+
     cfg = ServingConfig(**config)
+    inst = form(rank, world, cfg.tp)
+    cfg = cfg.on_host(inst.host)
     if cfg.s3 and cfg.shared_url is not None:
         from shoal.testing.bench.cluster_save import prepare_bucket
 
         prepare_bucket(rank, cfg.shared_url.removeprefix("s3://").split("/", 1)[0])
     reqs = window(load_trace(cfg.trace, block_tokens=cfg.block_tokens), cfg.minutes)
-    mine = reqs[rank::world]
+    mine = reqs[inst.index :: inst.instances]
     keys = {k.digest: k for r in reqs for k in chain_keys(cfg.namespace, 0, r.hash_ids)}
-    policy = make_policy(cfg, world, keys)
+    per_host = sum(h == inst.host for h in inst.hosts) // cfg.tp
+    policy = make_policy(cfg, per_host, keys, inst.agree)
+    server = client = None
     try:
+        below = getattr(policy, "below", None)
+        peers_on = cfg.is_shoal and cfg.off != "fabric" and inst.multi_host
+        if cfg.is_shoal and inst.multi_host:  # every rank takes part in the collective
+            assert isinstance(policy, TwoLevelPolicy) and isinstance(below, ShoalFallback)
+            server, client = start_peers(inst, [policy.first.store_, below.store_], cfg.peer_timeout_s)
+            if peers_on:
+                below.attach_peers(client)
+        if cfg.is_shoal and inst.fabric is not None and cfg.off != "grouped":
+            assert isinstance(below, ShoalFallback)
+            below.attach_grouped(inst.fabric, inst.host)
         policy.warm()
         start = [time.monotonic() + cfg.start_delay_s]
         dist.broadcast_object_list(start, src=0)
-        out = serve_requests(mine, policy, cfg, float(start[0]), reqs[0].timestamp_ms)
+        out = serve_requests(mine, policy, cfg, float(start[0]), reqs[0].timestamp_ms, leader=inst.leader)
         dist.barrier()
     finally:
+        if server is not None:
+            server.close()
         policy.close()
-    out["rank"] = rank
+        if client is not None:
+            client.close()
+    out.update(rank=rank, host=inst.host, instance=inst.index, tp_rank=inst.tp_rank, leader=inst.leader)
     return out
 
 
@@ -825,10 +995,16 @@ def summarize(
     """One policy's report from its ranks' :func:`serve_requests` dicts: TTFT (trace seconds:
     measured x ``speedup``) mean/p50/p90/p99 and its parts, hit ratios per tier (blocks fetched
     from the tier / blocks asked for), blocks recomputed, and bytes read per tier, as stored here
-    and at the model's full block size."""
-    records = [r for rank in ranks for r in rank["records"]]
+    and at the model's full block size. An instance's requests are its leader's records (its
+    other TP ranks fetch with it and agree on what was fetched). The write-back's back-pressure
+    is each request's ``writer_wait`` (mean, p99); the fabric path's link use is the peer
+    fetches' bytes over their seconds, against ``fabric_mbit``, for the fetches long enough to
+    fill the link (:data:`LINK_FILL_S` at its rate)."""
+    leaders = [rank for rank in ranks if rank.get("leader", True)]
+    records = [r for rank in leaders for r in rank["records"]]
     s = cfg.speedup
     ttft = [r["ttft"] * s for r in records]
+    waits = [r.get("writer_wait", 0.0) * s for r in records]
     blocks = sum(r["blocks"] for r in records)
     per_tier: dict[str, int] = {}
     for r in records:
@@ -858,7 +1034,40 @@ def summarize(
         "bytes_read": {t: n * cfg.block_bytes for t, n in sorted(per_tier.items())},
         "bytes_read_full_scale": {t: n * full_block_bytes for t, n in sorted(per_tier.items())},
         "uncached_tokens": sum(r["uncached_tokens"] for r in records),
-        "put_seconds": sum(rank["put_seconds"] for rank in ranks) * s,
-        "writer_waited": sum(rank["writer_waited"] for rank in ranks) * s,
+        "put_seconds": sum(rank["put_seconds"] for rank in leaders) * s,
+        "writer_waited": sum(rank["writer_waited"] for rank in leaders) * s,
+        "writer_wait": {
+            "mean": statistics.fmean(waits) if waits else 0.0,
+            "p99": _percentile(waits, 0.99) if waits else 0.0,
+        },
+        "peer_link": peer_link(ranks, cfg),
         "policy_stats": [rank["policy"] for rank in ranks],
     }
+
+
+LINK_FILL_S = 0.02
+"""A peer fetch counts towards the link's use when its bytes take at least this long at the
+link's rate (a shorter one is mostly its round trip)."""
+
+
+def peer_link(ranks: Sequence[Mapping[str, Any]], cfg: ServingConfig) -> dict[str, Any]:
+    """The peer fetches of every rank: blocks, bytes, requests, and the link's use during the
+    fetches that are long enough to fill it (bytes / seconds over the shaped rate)."""
+    fetches = []
+    out: dict[str, Any] = {"requests": 0, "blocks": 0, "bytes": 0, "corrupt": 0, "failed": 0}
+    for rank in ranks:
+        below = rank.get("policy", {}).get("below", {})
+        p = below.get("peers")
+        if not p:
+            continue
+        for k in out:
+            out[k] += p.get(k, 0)
+        fetches += [(int(b), float(t)) for _, b, t in p.get("fetches", [])]
+    rate = None if cfg.fabric_mbit is None else cfg.fabric_mbit * 1e6 / 8
+    out["fetches"] = len(fetches)
+    if rate and fetches:
+        big = [(b, t) for b, t in fetches if b >= rate * LINK_FILL_S and t > 0]
+        out["large_fetches"] = len(big)
+        if big:
+            out["link_use"] = sum(b for b, _ in big) / sum(t for _, t in big) / rate
+    return out
