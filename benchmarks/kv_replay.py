@@ -39,6 +39,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from shoal.testing.bench.kv_serving import (
+    ABLATIONS,
     FIRST_LEVEL_POLICIES,
     POLICIES,
     QWEN25_14B,
@@ -73,19 +74,32 @@ PER_TOKEN_S = 2 * QWEN25_14B_PARAMS / (ACCEL_FLOPS * MFU)
 """Prefill seconds per token on one accelerator: 2 x params FLOPs / (throughput x MFU) = 74.3 us."""
 
 
-def _configs(args: argparse.Namespace, storage: str, root: str) -> list[ServingConfig]:
-    """One ServingConfig per policy for ``storage``, each with its own fresh roots."""
+def _policies(args: argparse.Namespace, hosts: int) -> list[str]:
+    """The policies run on ``hosts`` hosts: an ablation that switches off what is not there is
+    the same run as shoal (no fabric path on one host, no grouped reads at TP 1), so it is left out."""
+    out = []
+    for p in args.policies.split(","):
+        if (p == "shoal-no-fabric" and hosts == 1) or (p == "shoal-no-grouped" and args.tp == 1):
+            continue
+        out.append(p)
+    return out
+
+
+def _configs(
+    args: argparse.Namespace, storage: str, root: str, hosts: int = 1, fabric_mbit: float | None = None
+) -> list[ServingConfig]:
+    """One ServingConfig per policy for ``storage`` on ``hosts`` hosts, each with fresh roots."""
     layout = _layout(args)
     block = args.block_bytes or max(64, layout.block_bytes // args.scale)
     out = []
-    for policy in args.policies.split(","):
+    for policy in _policies(args, hosts):
         run = f"{policy}-{secrets.token_hex(3)}"
         cfg = ServingConfig(
             policy=policy,
             trace=os.path.abspath(args.trace),
             minutes=args.minutes,
             speedup=args.speedup,
-            per_token_s=args.per_token_ms / 1000.0,
+            per_token_s=args.per_token_ms / 1000.0 / args.tp,
             block_bytes=block,
             dram_blocks=args.dram_blocks,
             namespace=layout.namespace,
@@ -94,15 +108,20 @@ def _configs(args: argparse.Namespace, storage: str, root: str) -> list[ServingC
             high_water=args.high_water,
             shared_lookup=args.shared_lookup,
             staging_blocks=args.staging_blocks,
+            tp=args.tp,
+            fabric_mbit=fabric_mbit,
         )
+        shoal = cfg.is_shoal
         if storage == "local":
-            if policy == "shoal":
+            if shoal and cfg.off == "local":
+                cfg = replace(cfg, shared_url=os.path.join(root, run, "storage"))
+            elif shoal:
                 cfg = replace(cfg, local_root=os.path.join(root, run, "local"))
             elif policy in ("storage", "private-lru+perkey"):
                 cfg = replace(cfg, shared_url=os.path.join(root, run, "storage"))
         else:
             url = f"s3://kvreplay/{run}"
-            if policy == "shoal":
+            if shoal:
                 cfg = replace(
                     cfg, local_root=os.path.join(root, run, "local"), local_blocks=args.local_blocks,
                     shared_url=url, s3=True,
@@ -117,26 +136,47 @@ def _timeout(args: argparse.Namespace) -> float:
     return args.minutes * 60.0 / args.speedup * 3 + 300.0
 
 
-def _run_local(args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
+def _hosts(args: argparse.Namespace) -> list[int]:
+    return [int(h) for h in str(args.hosts).split(",")]
+
+
+def _ranks_per_host(args: argparse.Namespace, hosts: int) -> int:
+    if args.instances % hosts:
+        raise SystemExit(f"--instances {args.instances} do not spread evenly over {hosts} hosts")
+    return args.instances // hosts * args.tp
+
+
+def _run_local(args: argparse.Namespace, root: str) -> dict[str, list[dict[str, Any]]]:
+    """Every host count, on this machine: the hosts are simulated (``$SHOAL_HOST_ID``, one pool
+    and local tier each), the fabric path is loopback."""
     from shoal.testing.multiproc import run_ranks
 
-    results = []
-    for cfg in _configs(args, "local", root):
-        t = time.monotonic()
-        ranks = run_ranks(
-            replay_instance,
-            hosts=["h0"] * args.instances,
-            kwargs={"config": asdict(cfg)},
-            timeout=_timeout(args),
-        )
-        results.append({"config": asdict(cfg), "ranks": ranks, "wall_s": time.monotonic() - t})
-        print(f"  local: {cfg.policy} done in {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)
-        _clean(cfg)
-    return results
+    out: dict[str, list[dict[str, Any]]] = {}
+    for n in _hosts(args):
+        rph = _ranks_per_host(args, n)
+        results = []
+        for cfg in _configs(args, "local", root, n):
+            t = time.monotonic()
+            ranks = run_ranks(
+                replay_instance,
+                hosts=[f"h{r // rph}" for r in range(n * rph)],
+                kwargs={"config": asdict(cfg)},
+                timeout=_timeout(args),
+            )
+            results.append({"config": asdict(cfg), "ranks": ranks, "wall_s": time.monotonic() - t})
+            print(
+                f"  local, {n} host(s): {cfg.policy} done in {time.monotonic() - t:.0f} s",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+            _clean(cfg)
+        out[f"local-{n}h" if len(_hosts(args)) > 1 or n > 1 else "local"] = results
+    return out
 
 
 def _layout(args: argparse.Namespace) -> ModelLayout:
-    return replace(QWEN25_14B, tp=args.tp, block_tokens=args.block_tokens)
+    """The KV layout of one block as each rank holds it: the whole block on every TP rank (the
+    replay's TP instances keep the KV replicated on their ranks, docs/kv_replay.md)."""
+    return replace(QWEN25_14B, block_tokens=args.block_tokens)
 
 
 def link_mbit(args: argparse.Namespace) -> tuple[float, float]:
@@ -147,11 +187,21 @@ def link_mbit(args: argparse.Namespace) -> tuple[float, float]:
     return host, scaled_link_mbit(args.storage_gbps, args.speedup, scale)
 
 
+def fabric_link_mbit(args: argparse.Namespace) -> float:
+    """The cluster's fabric link (``tc``), mbit/s here, for ``--fabric-gbps`` at full scale."""
+    full = _layout(args).block_bytes
+    scale = full / (args.block_bytes or max(64, full // args.scale))
+    return scaled_link_mbit(args.fabric_gbps, args.speedup, scale)
+
+
 def _cpus(text: str | None) -> tuple[int, ...] | None:
     return None if text is None else tuple(int(c) for c in text.split(","))
 
 
-def _run_cluster(args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
+def _run_cluster(args: argparse.Namespace, root: str) -> dict[str, list[dict[str, Any]]]:
+    """Every host count on one emulated cluster of max(hosts) + 1 hosts: the serving hosts, and
+    the last one for the other tenant. Each run records the bytes through every serving host's
+    storage NIC and fabric link (the kernel's counters, before and after)."""
     from shoal.testing.cluster.hosts import Cluster, ClusterSpec, cannot_run
     from shoal.testing.cluster.load import BackgroundLoad
 
@@ -159,38 +209,52 @@ def _run_cluster(args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
     if why:
         raise SystemExit(f"cannot run the emulated cluster: {why}")
     host_mbit, storage_mbit = link_mbit(args)
+    fabric_mbit = fabric_link_mbit(args)
     print(
         f"  cluster: the host's storage link {host_mbit:.1f} mbit here = {args.shared_gbps:g} GB/s at full "
-        f"scale; the S3's {storage_mbit:.1f} mbit = {args.storage_gbps:g} GB/s",
+        f"scale; the S3's {storage_mbit:.1f} mbit = {args.storage_gbps:g} GB/s; the fabric link "
+        f"{fabric_mbit:.1f} mbit = {args.fabric_gbps:g} GB/s",
         file=sys.stderr, flush=True,
     )  # fmt: skip
+    counts = _hosts(args)
+    tenant = max(counts)
     spec = ClusterSpec(
-        hosts=2,
+        hosts=tenant + 1,
         host_storage_mbit=host_mbit,
-        fabric_mbit=400.0,
+        fabric_mbit=fabric_mbit,
         storage_mbit=storage_mbit,
         storage_cpus=_cpus(args.storage_cpus),
         job_cpus=_cpus(args.job_cpus),
     )
-    results = []
+    out: dict[str, list[dict[str, Any]]] = {}
     with Cluster(spec) as cluster:
-        for cfg in _configs(args, "cluster", root):
-            t = time.monotonic()
-            load = BackgroundLoad(
-                cluster, 1, writers=args.tenant_writers, readers=args.tenant_readers, object_mib=8.0,
-                pause=args.tenant_pause,
-            )  # fmt: skip
-            with load:
-                ranks = cluster.run_ranks(
-                    "shoal.testing.bench.kv_serving:replay_instance", args.instances, {"config": asdict(cfg)},
-                    timeout=_timeout(args), hosts=1,
+        for n in counts:
+            rph = _ranks_per_host(args, n)
+            results = []
+            for cfg in _configs(args, "cluster", root, n, fabric_mbit):
+                t = time.monotonic()
+                load = BackgroundLoad(
+                    cluster, tenant, writers=args.tenant_writers, readers=args.tenant_readers,
+                    object_mib=8.0, pause=args.tenant_pause,
                 )  # fmt: skip
-            results.append({"config": asdict(cfg), "ranks": ranks, "wall_s": time.monotonic() - t})
-            print(
-                f"  cluster: {cfg.policy} done in {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True
-            )
-            _clean(cfg)
-    return results
+                before = [asdict(cluster.counters(i)) for i in range(n)]
+                with load:
+                    ranks = cluster.run_ranks(
+                        "shoal.testing.bench.kv_serving:replay_instance", rph, {"config": asdict(cfg)},
+                        timeout=_timeout(args), hosts=n,
+                    )  # fmt: skip
+                after = [asdict(cluster.counters(i)) for i in range(n)]
+                links = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
+                results.append(
+                    {"config": asdict(cfg), "ranks": ranks, "wall_s": time.monotonic() - t, "links": links}
+                )
+                print(
+                    f"  cluster, {n} host(s): {cfg.policy} done in {time.monotonic() - t:.0f} s",
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+                _clean(cfg)
+            out[f"cluster-{n}h"] = results
+    return out
 
 
 def _clean(cfg: ServingConfig) -> None:
@@ -319,14 +383,29 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--block-tokens", type=int, default=BLOCK_TOKENS, help="tokens per block of the trace (per hash_id)"
     )
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per instance (bytes per rank)")
+    ap.add_argument(
+        "--tp", type=int, default=2,
+        help="tensor-parallel ranks per instance (each needs every block: the KV is replicated on them)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--hosts",
+        default="1",
+        help="comma-separated host counts to run, e.g. 1,2,4 (instances spread over them)",
+    )
+    ap.add_argument(
+        "--fabric-gbps", type=float, default=50.0,
+        help="cluster: each host's fabric link (peer fetches), GB/s at full scale",
+    )  # fmt: skip
     ap.add_argument("--scale", type=int, default=1536, help="block bytes here = the layout's / this")
     ap.add_argument("--block-bytes", type=int, default=0, help="override the scaled block size (bytes)")
     ap.add_argument("--dram-blocks", type=int, default=8192, help="the host's DRAM pool, in blocks")
     ap.add_argument(
         "--local-blocks", type=int, default=131072, help="shoal's local tier on the cluster, in blocks"
     )
-    ap.add_argument("--instances", type=int, default=8, help="serving instances (processes) on the host")
+    ap.add_argument(
+        "--instances", type=int, default=4,
+        help="serving instances in all, spread evenly over the hosts (x --tp ranks, one process each)",
+    )  # fmt: skip
     ap.add_argument("--high-water", type=float, default=1.0, help="shoal's KVConfig.high_water")
     ap.add_argument(
         "--shared-lookup", choices=("ask", "host"), default="host",
@@ -337,7 +416,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="shoal's fallback: its DRAM staging area (evicted blocks on their way down), in blocks",
     )  # fmt: skip
     ap.add_argument(
-        "--policies", default="recompute,storage,shoal,private-lru+perkey",
+        "--policies", default=",".join(("recompute", "storage", "shoal", *ABLATIONS, "private-lru+perkey")),
         help=f"comma-separated, of {','.join(POLICIES)}",
     )  # fmt: skip
     ap.add_argument("--storage", default="local", help="local, cluster, or local,cluster")
@@ -396,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for storage in args.storage.split(","):
                 run = _run_local if storage == "local" else _run_cluster
-                saved["results"][storage] = run(args, root)
+                saved["results"].update(run(args, root))
         finally:
             shutil.rmtree(root, ignore_errors=True)
             shutil.rmtree(os.path.join(args.dram_dir, f"shoal-kvreplay-{os.getpid()}"), ignore_errors=True)

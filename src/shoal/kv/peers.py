@@ -44,7 +44,7 @@ from typing import Any, Protocol
 from shoal.errors import ConfigError, ShoalError
 from shoal.format.chunking import digest as blake3_hex
 from shoal.kv._buffers import writable_view
-from shoal.kv._results import GetResult, MissReason
+from shoal.kv._results import DRAM, LOCAL, SHARED, GetResult, MissReason
 from shoal.kv.keys import BlockKey
 
 log = logging.getLogger(__name__)
@@ -558,12 +558,14 @@ class PeeredStore:
         """Where a read of ``key`` goes: the store's tier that holds it, :data:`PEER`, the shared
         tier when some host announced writing it there, or None."""
         tier = self.store.contains(key)
-        if tier is not None:
+        if tier in (DRAM, LOCAL):
             return str(tier)
         if self.client.holder(key) is not None:
             return PEER
+        if tier is not None:
+            return str(tier)
         if self.client.in_shared(key) and getattr(self.store.config, "shared_url", None):
-            return "shared"
+            return SHARED
         return None
 
     def contains(self, key: BlockKey) -> str | None:
@@ -581,7 +583,7 @@ class PeeredStore:
     ) -> list[GetResult]:
         if len(keys) != len(buffers):
             raise ConfigError(f"get_batch_into got {len(keys)} keys but {len(buffers)} buffers")
-        peer = [i for i, k in enumerate(keys) if self.store.contains(k) is None and self.client.holder(k)]
+        peer = [i for i, k in enumerate(keys) if self.where(k) == PEER]
         to_peers = set(peer)
         mine = [i for i in range(len(keys)) if i not in to_peers]
         job = None

@@ -40,6 +40,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+import blake3
+
 from shoal.errors import ConfigError, MissingFile, ShoalError
 from shoal.kv import DRAM, SHARED, BlockKey, KVConfig, KVEvent, KVStore, chain_keys, namespace_for
 from shoal.kv.pool import physical_bytes
@@ -166,6 +168,8 @@ class ServingConfig:
     """The fabric link's shaped rate (mbit/s here), for the peer fetches' link use; None: unshaped."""
     peer_timeout_s: float = 2.0
     """The longest a fetch from a peer host may take before its blocks are misses."""
+    record_digests: bool = False
+    """Each request's record carries the BLAKE3 of the bytes it fetched (tests: TP ranks agree)."""
 
     def __post_init__(self) -> None:
         if self.policy in RENAMED:
@@ -705,6 +709,8 @@ class TwoLevelPolicy:
         self.base = base
         self.agree = agree or (lambda n: n)
         """The instance's agreement on a count (TP > 1: the smallest over its ranks)."""
+        self.record_digests = False
+        self.last_digest: str | None = None
         self._keys: dict[str, BlockKey] = dict(keys or {})
         self._first_hits = 0
         self.lookup_s = 0.0
@@ -716,10 +722,17 @@ class TwoLevelPolicy:
         k = self.agree(self.first.fetch(keys))
         tiers = [DRAM] * k
         self.lookup_s = self.first.lookup_s
+        n = 0
         if k < len(keys):
             below = self.below.fetch(keys[k:])
-            tiers += below[: self.agree(len(below))]
+            n = self.agree(len(below))
+            tiers += below[:n]
             self.lookup_s += self.below.lookup_s
+        if self.record_digests:
+            h = blake3.blake3()
+            for buf in [*self.first._buffers[:k], *getattr(self.below, "_buffers", [])[:n]]:
+                h.update(buf)
+            self.last_digest = h.hexdigest()
         return tiers
 
     def to_store(self, keys: Sequence[BlockKey], tiers: Sequence[str]) -> Sequence[BlockKey]:
@@ -892,6 +905,7 @@ def serve_request(
         "uncached_tokens": acct.uncached_tokens,
         "first_level_hits": first_hits,
         "tiers": tiers,
+        **({"digest": getattr(policy, "last_digest", None)} if cfg.record_digests else {}),
     }
 
 
@@ -954,6 +968,8 @@ def replay_instance(rank: int, world: int, *, config: Mapping[str, Any]) -> dict
     keys = {k.digest: k for r in reqs for k in chain_keys(cfg.namespace, 0, r.hash_ids)}
     per_host = sum(h == inst.host for h in inst.hosts) // cfg.tp
     policy = make_policy(cfg, per_host, keys, inst.agree)
+    if isinstance(policy, TwoLevelPolicy):
+        policy.record_digests = cfg.record_digests
     server = client = None
     try:
         below = getattr(policy, "below", None)
