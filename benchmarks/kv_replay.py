@@ -296,19 +296,37 @@ def report(saved: dict[str, Any]) -> dict[str, Any]:
                 row["lru_dram_hit_ratio"] = sim.dram_hit_ratio
                 row["lru_prefix_hit_ratio"] = sim.prefix_hit_ratio
             row["wall_s"] = run["wall_s"]
+            if "links" in run:  # bytes through the serving hosts' links, at full scale
+                scale = full_block / cfg.block_bytes
+                row["links_full_scale"] = {
+                    k: sum(h[k] for h in run["links"]) * scale for k in run["links"][0]
+                }
             rows[cfg.policy] = row
         gains = {}
         if "shoal" in rows:
             for other in rows:
                 if other != "shoal":
                     gains[other] = 1.0 - rows["shoal"]["ttft"]["mean"] / rows[other]["ttft"]["mean"]
+        shares = {}
+        if "shoal" in rows and "storage" in rows:
+            gain = rows["storage"]["ttft"]["mean"] - rows["shoal"]["ttft"]["mean"]
+            for ablation, mechanism in ABLATIONS.items():
+                if ablation in rows and gain:
+                    shares[mechanism] = (
+                        rows[ablation]["ttft"]["mean"] - rows["shoal"]["ttft"]["mean"]
+                    ) / gain
         out["storages"][storage] = {
+            "ablation_shares": shares,
             "trace": trace_summary(reqs),
             "window": {"minutes": first.minutes, "speedup": first.speedup},
             "rows": rows,
             "shoal_lower_mean_ttft_than": gains,
         }
     return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.0f}"
 
 
 def _print(rep: dict[str, Any]) -> None:
@@ -323,27 +341,54 @@ def _print(rep: dict[str, Any]) -> None:
             f"over {t['span_s']:.0f} s\n"
         )
         cols = ["policy", "TTFT mean", "p50", "p90", "p99", "queue", "fetch", "of it: lookup", "prefill"]
-        cols += ["writer wait", "hit: dram", "staging", "local", "storage", "recomputed"]
-        cols += ["read GiB (full scale): dram", "staging", "local", "storage", "LRU sim dram"]
+        cols += ["writer wait mean", "p99", "hit: dram", "staging", "local", "peer", "storage", "recomputed"]
+        cols += ["LRU sim dram"]
         print("| " + " | ".join(cols) + " |")
         print("|---|" + "---:|" * (len(cols) - 1))
         for policy, r in s["rows"].items():
-            h, b, p = r["hit_ratio"], r["bytes_read_full_scale"], r["parts"]
-            gib = {k: v / (1 << 30) for k, v in b.items()}
+            h, p = r["hit_ratio"], r["parts"]
             lru = f"{r['lru_dram_hit_ratio']:.1%}" if "lru_dram_hit_ratio" in r else ""
-            wait = r["writer_waited"] / r["requests"] if r["requests"] else 0.0
-            lookup = p.get("lookup", 0.0)
+            ww = r.get("writer_wait") or {"mean": r["writer_waited"] / max(1, r["requests"]), "p99": 0.0}
             print(
                 f"| {policy} | {r['ttft']['mean']:.3f} | {r['ttft']['p50']:.3f} | {r['ttft']['p90']:.3f} | "
-                f"{r['ttft']['p99']:.3f} | {p['queue']:.3f} | {p['fetch']:.3f} | {lookup:.3f} | "
-                f"{p['prefill']:.3f} | {wait:.3f} | {h.get('dram', 0):.1%} | {h.get('staging', 0):.1%} | "
-                f"{h.get('local', 0):.1%} | {h.get('shared', 0):.1%} | {r['recomputed_ratio']:.1%} | "
-                f"{gib.get('dram', 0):.0f} | {gib.get('staging', 0):.0f} | {gib.get('local', 0):.0f} | "
-                f"{gib.get('shared', 0):.0f} | {lru} |"
+                f"{r['ttft']['p99']:.3f} | {p['queue']:.3f} | {p['fetch']:.3f} | "
+                f"{p.get('lookup', 0.0):.3f} | "
+                f"{p['prefill']:.3f} | {ww['mean']:.3f} | {ww['p99']:.3f} | {h.get('dram', 0):.1%} | "
+                f"{h.get('staging', 0):.1%} | {h.get('local', 0):.1%} | {h.get('peer', 0):.1%} | "
+                f"{h.get('shared', 0):.1%} | {r['recomputed_ratio']:.1%} | {lru} |"
+            )
+        print("\nBytes, GiB at full scale: read per tier; through the serving hosts' links (all hosts)\n")
+        cols = ["policy", "read: dram", "staging", "local", "peer", "storage"]
+        cols += ["storage NIC in", "out", "fabric in", "out", "peer fetches", "of them filling the link"]
+        cols += ["link use"]
+        print("| " + " | ".join(cols) + " |")
+        print("|---|" + "---:|" * (len(cols) - 1))
+        for policy, r in s["rows"].items():
+            b = r["bytes_read_full_scale"]
+            links = r.get("links_full_scale") or {}
+            pl = r.get("peer_link") or {}
+            use = f"{pl['link_use']:.0%}" if "link_use" in pl else ""
+            print(
+                f"| {policy} | {_gib(b.get('dram', 0))} | {_gib(b.get('staging', 0))} | "
+                f"{_gib(b.get('local', 0))} | {_gib(b.get('peer', 0))} | {_gib(b.get('shared', 0))} | "
+                + " | ".join(
+                    _gib(links[k]) if k in links else ""
+                    for k in ("storage_rx", "storage_tx", "fabric_rx", "fabric_tx")
+                )
+                + f" | {pl.get('fetches', 0)} | {pl.get('large_fetches', '')} | {use} |"
             )
         for other, g in s["shoal_lower_mean_ttft_than"].items():
             word = "lower" if g >= 0 else "higher"
             print(f"\nshoal's mean TTFT is {abs(g):.1%} {word} than {other}'s")
+        shares = s.get("ablation_shares") or {}
+        if shares:
+            print(
+                "\nEach mechanism's share of shoal's gain over storage (its ablation's mean TTFT minus "
+                "shoal's,"
+            )
+            print("over storage's minus shoal's):\n")
+            for name, share in shares.items():
+                print(f"- {name}: {share:+.0%}")
 
 
 def _plot(rep: dict[str, Any], path: str, saved: dict[str, Any]) -> None:
