@@ -162,12 +162,21 @@ def _recv_header(sock: socket.socket) -> dict[str, Any]:
     return header
 
 
-def _key_of(item: Any) -> BlockKey:
-    if not (isinstance(item, list) and len(item) == 3):
-        raise PeerError(f"a key must be [namespace, tp_rank, prefix hex], got {item!r}")
-    ns, tp, prefix = item
+_MAX_BLOCK = 1 << 30
+
+
+def _key_of(item: Any) -> tuple[BlockKey, int | None]:
+    """A requested key and the size of the asker's buffer (None: the server looks it up)."""
+    if not (isinstance(item, list) and len(item) in (3, 4)):
+        raise PeerError(f"a key must be [namespace, tp_rank, prefix hex, size], got {item!r}")
+    ns, tp, prefix = item[:3]
+    size = item[3] if len(item) == 4 else None
+    if size is not None and (
+        isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= _MAX_BLOCK
+    ):
+        raise PeerError(f"a peer asked for block size {size!r} (1 .. {_MAX_BLOCK})")
     try:
-        return BlockKey(ns, tp, bytes.fromhex(prefix))
+        return BlockKey(ns, tp, bytes.fromhex(prefix)), size
     except (TypeError, ValueError, ShoalError) as e:
         raise PeerError(f"a peer sent a bad key {item!r}: {e}") from e
 
@@ -243,9 +252,15 @@ class PeerServer:
             if not isinstance(e, PeerError) or "closed the connection after 0 of" not in str(e):
                 log.debug("KV peer server on %s: connection ended: %s", self.host, e)
 
-    def _get(self, sock: socket.socket, keys: list[BlockKey], buffers: dict[int, list[bytearray]]) -> None:
-        for start in range(0, len(keys), _GROUP):
-            group = keys[start : start + _GROUP]
+    def _get(
+        self,
+        sock: socket.socket,
+        asked: list[tuple[BlockKey, int | None]],
+        buffers: dict[int, list[bytearray]],
+    ) -> None:
+        for start in range(0, len(asked), _GROUP):
+            group = [k for k, _ in asked[start : start + _GROUP]]
+            wanted = [n for _, n in asked[start : start + _GROUP]]
             frames: list[tuple[dict[str, Any], Any]] = [({"s": "miss", "why": "absent"}, None)] * len(group)
             todo = list(range(len(group)))
             used: dict[int, int] = {}
@@ -254,10 +269,12 @@ class PeerServer:
                     break
                 sized = []
                 for i in todo:
-                    try:
-                        size = source.block_size(group[i])
-                    except (ShoalError, OSError):
-                        size = None
+                    size = wanted[i]
+                    if size is None:  # the asker did not say: the index knows
+                        try:
+                            size = source.block_size(group[i])
+                        except (ShoalError, OSError):
+                            size = None
                     if size:
                         sized.append((i, size))
                 if not sized:
@@ -470,10 +487,11 @@ class PeerClient:
         try:
             ep, conn = self._checkout(host)
             conn.sock.settimeout(max(0.001, end - time.monotonic()))
-            _send(
-                conn.sock,
-                {"op": "get", "keys": [[k.namespace, k.tp_rank, k.prefix_hash.hex()] for k in keys]},
-            )
+            asked = [
+                [k.namespace, k.tp_rank, k.prefix_hash.hex(), v.nbytes]
+                for k, v in zip(keys, views, strict=True)
+            ]
+            _send(conn.sock, {"op": "get", "keys": asked})  # the sizes: the server need not look them up
             for key, view in zip(keys, views, strict=True):
                 conn.sock.settimeout(max(0.001, end - time.monotonic()))
                 header = _recv_header(conn.sock)
