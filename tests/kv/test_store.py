@@ -272,10 +272,13 @@ def test_config_is_validated_naming_the_field() -> None:
 def test_the_kv_docs_examples_run_as_written() -> None:
     doc = Path(__file__).resolve().parents[2] / "docs" / "kv.md"
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
+    outputs = []
     for block in blocks:
         proc = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+        outputs.append(proc.stdout)
+    assert "['peer', 'peer', 'peer']" in outputs[1]  # the fabric path: all three from the other host
     assert (
         "reusable prefix: 5 blocks"
         in subprocess.run(
