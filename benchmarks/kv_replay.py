@@ -146,15 +146,15 @@ def _ranks_per_host(args: argparse.Namespace, hosts: int) -> int:
     return args.instances // hosts * args.tp
 
 
-def _run_local(args: argparse.Namespace, root: str) -> dict[str, list[dict[str, Any]]]:
+def _run_local(args: argparse.Namespace, root: str, out: dict[str, list[dict[str, Any]]], save: Any) -> None:
     """Every host count, on this machine: the hosts are simulated (``$SHOAL_HOST_ID``, one pool
     and local tier each), the fabric path is loopback."""
     from shoal.testing.multiproc import run_ranks
 
-    out: dict[str, list[dict[str, Any]]] = {}
     for n in _hosts(args):
         rph = _ranks_per_host(args, n)
-        results = []
+        results: list[dict[str, Any]] = []
+        out[f"local-{n}h" if len(_hosts(args)) > 1 or n > 1 else "local"] = results
         for cfg in _configs(args, "local", root, n):
             t = time.monotonic()
             ranks = run_ranks(
@@ -164,13 +164,12 @@ def _run_local(args: argparse.Namespace, root: str) -> dict[str, list[dict[str, 
                 timeout=_timeout(args),
             )
             results.append({"config": asdict(cfg), "ranks": ranks, "wall_s": time.monotonic() - t})
+            save()
             print(
                 f"  local, {n} host(s): {cfg.policy} done in {time.monotonic() - t:.0f} s",
                 file=sys.stderr, flush=True,
             )  # fmt: skip
             _clean(cfg)
-        out[f"local-{n}h" if len(_hosts(args)) > 1 or n > 1 else "local"] = results
-    return out
 
 
 def _layout(args: argparse.Namespace) -> ModelLayout:
@@ -198,7 +197,9 @@ def _cpus(text: str | None) -> tuple[int, ...] | None:
     return None if text is None else tuple(int(c) for c in text.split(","))
 
 
-def _run_cluster(args: argparse.Namespace, root: str) -> dict[str, list[dict[str, Any]]]:
+def _run_cluster(
+    args: argparse.Namespace, root: str, out: dict[str, list[dict[str, Any]]], save: Any
+) -> None:
     """Every host count on one emulated cluster of max(hosts) + 1 hosts: the serving hosts, and
     the last one for the other tenant. Each run records the bytes through every serving host's
     storage NIC and fabric link (the kernel's counters, before and after)."""
@@ -226,11 +227,11 @@ def _run_cluster(args: argparse.Namespace, root: str) -> dict[str, list[dict[str
         storage_cpus=_cpus(args.storage_cpus),
         job_cpus=_cpus(args.job_cpus),
     )
-    out: dict[str, list[dict[str, Any]]] = {}
     with Cluster(spec) as cluster:
         for n in counts:
             rph = _ranks_per_host(args, n)
-            results = []
+            results: list[dict[str, Any]] = []
+            out[f"cluster-{n}h"] = results
             for cfg in _configs(args, "cluster", root, n, fabric_mbit):
                 t = time.monotonic()
                 load = BackgroundLoad(
@@ -248,13 +249,12 @@ def _run_cluster(args: argparse.Namespace, root: str) -> dict[str, list[dict[str
                 results.append(
                     {"config": asdict(cfg), "ranks": ranks, "wall_s": time.monotonic() - t, "links": links}
                 )
+                save()
                 print(
                     f"  cluster, {n} host(s): {cfg.policy} done in {time.monotonic() - t:.0f} s",
                     file=sys.stderr, flush=True,
                 )  # fmt: skip
                 _clean(cfg)
-            out[f"cluster-{n}h"] = results
-    return out
 
 
 def _clean(cfg: ServingConfig) -> None:
@@ -282,6 +282,8 @@ def report(saved: dict[str, Any]) -> dict[str, Any]:
     full_block = replace(QWEN25_14B, tp=args["tp"], block_tokens=tokens).block_bytes
     out: dict[str, Any] = {"storages": {}}
     for storage, runs in saved["results"].items():
+        if not runs:
+            continue
         first = ServingConfig(**_legacy(runs[0]["config"]))
         reqs = window(load_trace(first.trace, block_tokens=first.block_tokens), first.minutes)
         chains = prefix_chains(reqs)
@@ -517,16 +519,24 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         root = tempfile.mkdtemp(prefix="shoal-kvreplay-")
         saved = {"args": vars(args), "results": {}}
+
+        def save() -> None:
+            """Write what has run so far (after every run: a long run stopped early keeps its results)."""
+            if not args.out:
+                return
+            tmp = f"{args.out}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({**saved, "results": {k: v for k, v in saved["results"].items() if v}}, f)
+            os.replace(tmp, args.out)
+
         try:
             for storage in args.storage.split(","):
                 run = _run_local if storage == "local" else _run_cluster
-                saved["results"].update(run(args, root))
+                run(args, root, saved["results"], save)
         finally:
             shutil.rmtree(root, ignore_errors=True)
             shutil.rmtree(os.path.join(args.dram_dir, f"shoal-kvreplay-{os.getpid()}"), ignore_errors=True)
-        if args.out:
-            with open(args.out, "w", encoding="utf-8") as f:
-                json.dump(saved, f)
+        save()
     rep = report(saved)
     _print(rep)
     if args.plot:
