@@ -1,27 +1,35 @@
-"""KV-cache trace replay: one shared first-level cache, and below it nothing, a per-object storage or shoal.
+"""KV-cache trace replay: one shared first-level cache per host, and below it nothing, a per-object
+storage, or shoal (and shoal with each of its mechanisms switched off), on 1, 2 or 4 hosts.
 
 The Mooncake conversation trace (``benchmarks/data/mooncake/``; any trace of that format with
 ``--trace``), its first ``--minutes``, replayed ``--speedup`` times faster than its clock by
-``--instances`` serving instances (one process each, requests round-robin), with each policy in
-turn (:mod:`shoal.testing.bench.kv_serving`). ``recompute``, ``storage`` and ``shoal`` share one first
-level (the host's DRAM pool, ``--dram-blocks``, the same for all three) and differ only below it:
-nothing, a per-object storage fallback, shoal's store; ``private-lru+perkey`` (a private LRU per
-instance, then per-key reads: the replay's former ``perkey``) and ``nocache`` are rows of their own.
-Reported per policy and storage: mean / p50 / p90 / p99 time to first token (TTFT, on the trace's
-clock), its parts (queue, fetch, prefill), the hit ratio per tier, the blocks recomputed and the
-bytes read per tier; for the shared first level, its hit ratio next to the exact LRU simulation
-of the same trace and capacity (:func:`shoal.testing.bench.kv_trace.simulate_lru`).
+``--instances`` serving instances of ``--tp`` ranks each (one process per rank), spread evenly over
+each of ``--hosts`` host counts, requests round-robin over the instances, with each policy in turn
+(:mod:`shoal.testing.bench.kv_serving`). ``recompute``, ``storage``, ``shoal`` and shoal's ablations
+(``shoal-no-local``, ``shoal-no-batch``, ``shoal-no-fabric``, ``shoal-no-grouped``) share one first
+level per host (the host's DRAM pool, ``--dram-blocks``, the same for all) and differ only below it;
+``private-lru+perkey`` (a private LRU per instance, then per-key reads: the replay's former
+``perkey``) and ``nocache`` are rows of their own. Reported per policy, storage and host count:
+mean / p50 / p90 / p99 time to first token (TTFT, on the trace's clock), its parts (queue, fetch,
+prefill), the write-back's back-pressure per request, the hit ratio per tier ("peer": another
+host), the blocks recomputed, the bytes read per tier and through every host's links, the fabric
+link's use during peer fetches, each mechanism's share of shoal's gain over ``storage``, and for the
+first level its hit ratio next to the exact LRU simulation of the same trace and capacity
+(:func:`shoal.testing.bench.kv_trace.simulate_lru`).
 
 Every assumption and its source is in docs/kv_replay.md. Storage ``local``: the storage is a
 directory on this machine's disk (``storage`` and ``private-lru+perkey``: one file per block;
-shoal: a local-disk tier). Storage ``cluster`` (needs root): the instances run in a host namespace
-of the emulated cluster (:mod:`shoal.testing.cluster.hosts`), the storage is its S3, loaded by
-another tenant (:class:`~shoal.testing.cluster.load.BackgroundLoad`); shoal has a bounded local tier
-(``--local-blocks``) and the S3. Usage::
+shoal: a local-disk tier), hosts are simulated (one pool and local tier each, the fabric path over
+loopback). Storage ``cluster`` (needs root): the instances run in host namespaces of the emulated
+cluster (:mod:`shoal.testing.cluster.hosts`), the storage is its S3, loaded by another tenant
+(:class:`~shoal.testing.cluster.load.BackgroundLoad`) on a host of its own; shoal has a bounded local
+tier (``--local-blocks``), the fabric path and the S3. The results are saved after every run
+(``--out``). Usage::
 
     python benchmarks/kv_replay.py --minutes 2 --storage local            # a smoke run, no root
-    sudo python benchmarks/kv_replay.py --storage local,cluster --out /tmp/kv.json \
-        --plot docs/img/kv_replay.png
+    python benchmarks/kv_replay.py --minutes 2 --storage local --hosts 1,2
+    sudo .venv/bin/python benchmarks/kv_replay.py --storage cluster --hosts 1,2,4 --minutes 10 \
+        --speedup 2 --storage-cpus 1 --job-cpus 0 --out /tmp/kv.json
     python benchmarks/kv_replay.py --from /tmp/kv.json                    # report saved results
 """
 
