@@ -459,6 +459,10 @@ class Fallback(Protocol):
         """Keep blocks the first level evicted (or could not hold); on the writer thread."""
         ...
 
+    def kept(self, keys: Sequence[BlockKey]) -> None:
+        """The first level kept ``keys`` (on the writer thread): shoal tells the other hosts."""
+        ...
+
     def warm(self) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
@@ -475,6 +479,9 @@ class NothingBelow:
         return []
 
     def write_back(self, keys: Sequence[BlockKey], blocks: Sequence[bytes]) -> None:
+        return None
+
+    def kept(self, keys: Sequence[BlockKey]) -> None:
         return None
 
     def warm(self) -> None:
@@ -541,6 +548,9 @@ class PerObjectStorage:
                 continue
             self._there.add(key.digest)
             self.counts["writes"] += 1
+
+    def kept(self, keys: Sequence[BlockKey]) -> None:
+        return None
 
     def warm(self) -> None:
         self.tier.exists(_WARM)
@@ -743,10 +753,8 @@ class TwoLevelPolicy:
 
     def store(self, keys: Sequence[BlockKey]) -> None:
         evicted, not_kept = self.first.keep(keys, [block_bytes_for(key, self.base) for key in keys])
-        kept = getattr(self.below, "kept", None)
-        if kept is not None:
-            missing = {k.digest for k in not_kept}
-            kept([k for k in keys if k.digest not in missing])
+        missing = {k.digest for k in not_kept}
+        self.below.kept([k for k in keys if k.digest not in missing])
         down = list(not_kept)
         for digest in evicted:
             key = self._keys.get(digest)
