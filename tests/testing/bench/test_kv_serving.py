@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from shoal.errors import ConfigError, ShoalError
+from shoal.errors import ConfigError, MissingFile, ShoalError
 from shoal.kv import chain_keys
 from shoal.testing.bench.kv_serving import (
     FIRST_LEVEL_POLICIES,
@@ -24,6 +25,7 @@ from shoal.testing.bench.kv_serving import (
     ServingConfig,
     ShoalFallback,
     TwoLevelPolicy,
+    block_bytes_for,
     make_policy,
     scaled_link_mbit,
     serve_request,
@@ -222,6 +224,7 @@ def test_a_wrong_block_below_the_first_level_is_never_counted_as_a_hit(tmp_path:
     keys = chain_keys(cfg.namespace, 0, [7, 8, 9])
     assert policy.fetch(keys) == []
     policy.store(keys)  # the pool holds one block; the other two go to the storage, one object each
+    policy.below.drain()
     assert policy.below.counts["writes"] == 2
     assert policy.fetch(keys) == ["dram", "shared", "shared"]
     policy.below.tier.write(keys[2].digest, b"\0" * BLOCK)  # another block's bytes under this key
@@ -229,6 +232,68 @@ def test_a_wrong_block_below_the_first_level_is_never_counted_as_a_hit(tmp_path:
     assert policy.fetch(keys) == ["dram", "shared"]
     assert policy.below.counts["wrong"] == 1
     policy.close()
+
+
+class _GatedStorage:
+    """A storage whose writes wait for ``gate`` and fail once for one chosen key; it counts the
+    writes in flight."""
+
+    def __init__(self, fail: str) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.fail = fail
+        self.gate = threading.Event()
+        self.in_flight = self.most_in_flight = 0
+        self.lock = threading.Lock()
+
+    def write(self, name: str, data: bytes) -> None:
+        with self.lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        assert self.gate.wait(30)
+        with self.lock:
+            self.in_flight -= 1
+            if name == self.fail:
+                self.fail = ""
+                raise OSError(f"{name}: the storage refused the write")
+        self.objects[name] = bytes(data)
+
+    def read(self, name: str) -> bytes:
+        if name not in self.objects:
+            raise MissingFile(f"{name}: not on the storage")
+        return self.objects[name]
+
+    def close(self) -> None:
+        return None
+
+
+def test_the_storage_fallback_writes_its_objects_from_a_pool_off_the_writer_thread() -> None:
+    keys = chain_keys("ns", 0, list(range(10, 22)))
+    storage = _GatedStorage(fail=keys[3].digest)
+    below = PerObjectStorage(storage, BLOCK, write_threads=4)  # type: ignore[arg-type]
+    blocks = [block_bytes_for(k, b"\1" * BLOCK) for k in keys]
+    below.write_back(keys, blocks)  # returns with every write still waiting: off the writer thread
+    deadline = time.monotonic() + 30
+    while storage.in_flight < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert storage.in_flight == 4 and not storage.objects
+    got: list[list[str]] = []
+    reader = threading.Thread(target=lambda: got.append(below.fetch(keys)))
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive() and not got  # a read of a block being written waits for the write
+    storage.gate.set()
+    reader.join(30)
+    assert got == [["shared"] * 3]  # up to the block whose write failed
+    below.drain()
+    assert storage.most_in_flight == 4
+    assert below.counts["writes"] == 11 and below.counts["write_errors"] == 1
+    assert below.fetch(keys) == ["shared"] * 3  # up to the block whose write failed
+    below.write_back(keys, blocks)  # the failed one is written again; the others are known there
+    below.close()
+    assert below.counts["writes"] == 12
+    assert below.fetch(keys) == ["shared"] * 12
+    with pytest.raises(ConfigError, match="write_threads must be an int >= 1"):
+        PerObjectStorage(storage, BLOCK, write_threads=0)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -30,6 +30,7 @@ it returns per-request records as JSON, which :func:`summarize` turns into the r
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import statistics
@@ -37,6 +38,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -63,6 +65,7 @@ __all__ = [
     "PerObjectStorage",
     "Policy",
     "QWEN25_14B",
+    "STORAGE_WRITE_THREADS",
     "ServingConfig",
     "ShoalFallback",
     "TwoLevelPolicy",
@@ -93,6 +96,8 @@ STAGING = "staging"
 """The tier name of a block :class:`ShoalFallback` served from its DRAM staging area."""
 MAX_PUTS_IN_FLIGHT = 4
 """Requests whose new blocks may wait for the writer thread before the instance itself waits."""
+STORAGE_WRITE_THREADS = 4
+"""Concurrent object writes of the ``storage`` policy's write-back (:class:`PerObjectStorage`)."""
 _CHECK = 32
 _WARM = "warm-up-" + "0" * 56
 """The first bytes of a block are its key's prefix hash: a fetched block is checked to be the right one."""
@@ -502,25 +507,41 @@ class PerObjectStorage:
     back to reading it from there (Mooncake's "SSD Offload Design",
     kvcache-ai.github.io/Mooncake/design/ssd-offload.html); on a shared file system each object is
     one file named by its key, a get is a synchronous read of that file (Mooncake RFC "KVCache
-    offloading to SSD in DFS", github.com/kvcache-ai/Mooncake/issues/578). Here: each evicted
-    block is written to the shared storage as one object (:class:`shoal.tiers.Tier`, one write
-    per block, on the writer thread); on a first-level miss the request's next blocks are read
-    one per key, in order, until the first that is not there. No batching, no local tier, no
-    DRAM of its own. (:mod:`shoal.kv.mooncake` maps Mooncake's method names onto shoal's store;
-    it has no storage offload of its own to follow.)"""
+    offloading to SSD in DFS", github.com/kvcache-ai/Mooncake/issues/578). The RFC says a put
+    "only submit[s] a persistence request to the thread pool" once the block is in memory, and a
+    get is a synchronous read. Here: each evicted block is one object on the shared storage
+    (:class:`shoal.tiers.Tier`, one write per block), written by a pool of ``write_threads``
+    threads, so that ``write_threads`` objects are in flight at once and the writer thread only
+    waits when ``write_threads x 4`` blocks are queued (memory is bounded); on a first-level miss
+    the request's next blocks are read one per key, in order, until the first that is not there
+    (a block still being written is read once its write has ended). No batching, no local tier, no DRAM of
+    its own. (:mod:`shoal.kv.mooncake` maps Mooncake's method names onto shoal's store; it has no
+    storage offload of its own to follow.)"""
 
-    def __init__(self, tier: Tier, block_bytes: int) -> None:
+    def __init__(self, tier: Tier, block_bytes: int, write_threads: int = STORAGE_WRITE_THREADS) -> None:
+        if isinstance(write_threads, bool) or not isinstance(write_threads, int) or write_threads < 1:
+            raise ConfigError(f"PerObjectStorage: write_threads must be an int >= 1, got {write_threads!r}")
         self.tier = tier
         self.block_bytes = block_bytes
         self.lookup_s = 0.0
         self._there: set[str] = set()
-        """Digests this instance wrote or read there: an evicted block known to be stored is not
-        written again (another instance's copy may be: an object written twice is the same bytes)."""
+        """Digests this instance wrote, is writing or read there: an evicted block known to be
+        stored is not written again (another instance's copy may be: an object written twice is
+        the same bytes)."""
         self.counts = {"reads": 0, "writes": 0, "misses": 0, "wrong": 0, "errors": 0, "write_errors": 0}
+        self._lock = threading.Lock()
+        self._room = threading.BoundedSemaphore(write_threads * 4)
+        self._pool = ThreadPoolExecutor(write_threads, thread_name_prefix="kv-replay-storage-put")
+        self._writing: dict[str, Future[None]] = {}
+        """The blocks being written, by digest: a read of one waits for its write to end."""
 
     def fetch(self, keys: Sequence[BlockKey]) -> list[str]:
         tiers: list[str] = []
         for key in keys:
+            with self._lock:
+                writing = self._writing.get(key.digest)
+            if writing is not None:  # evicted, not stored yet: read once it is (on the request path)
+                wait([writing])
             try:
                 data = self.tier.read(key.digest)
             except MissingFile:
@@ -533,21 +554,50 @@ class PerObjectStorage:
             if len(data) != self.block_bytes or not _right_block(key, data):
                 self.counts["wrong"] += 1
                 break
-            self._there.add(key.digest)
+            with self._lock:
+                self._there.add(key.digest)
             tiers.append(SHARED)
         return tiers
 
     def write_back(self, keys: Sequence[BlockKey], blocks: Sequence[bytes]) -> None:
         for key, data in zip(keys, blocks, strict=True):
-            if key.digest in self._there:
-                continue
+            with self._lock:
+                if key.digest in self._there:
+                    continue
+                self._there.add(key.digest)
+            self._room.acquire()  # bounded: the writer thread waits when the pool is this far behind
             try:
-                self.tier.write(key.digest, data)
-            except (ShoalError, OSError):  # not stored: a later request recomputes it
+                future = self._pool.submit(self._put, key.digest, data)
+            except BaseException:
+                self._room.release()
+                raise
+            with self._lock:
+                self._writing[key.digest] = future
+            future.add_done_callback(functools.partial(self._done, key.digest))
+
+    def _done(self, digest: str, done: Future[None]) -> None:
+        with self._lock:
+            if self._writing.get(digest) is done:  # not a later write of the same block
+                del self._writing[digest]
+
+    def drain(self) -> None:
+        """Wait for the writes in flight (tests; :meth:`close` waits too)."""
+        with self._lock:
+            pending = list(self._writing.values())
+        wait(pending)
+
+    def _put(self, digest: str, data: bytes) -> None:
+        try:
+            self.tier.write(digest, data)
+        except (ShoalError, OSError):  # not stored: a later request recomputes it
+            with self._lock:
                 self.counts["write_errors"] += 1
-                continue
-            self._there.add(key.digest)
-            self.counts["writes"] += 1
+                self._there.discard(digest)
+        else:
+            with self._lock:
+                self.counts["writes"] += 1
+        finally:
+            self._room.release()
 
     def kept(self, keys: Sequence[BlockKey]) -> None:
         return None
@@ -556,9 +606,11 @@ class PerObjectStorage:
         self.tier.exists(_WARM)
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.counts)
+        with self._lock:
+            return dict(self.counts)
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
         self.tier.close()
 
 
