@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from shoal.format.chunking import digest as blake3_hex
 from shoal.kv import KVConfig, KVStore
 from shoal.kv.blockfile import encode_header
 from shoal.kv.lower import SharedBlocks
@@ -77,6 +78,30 @@ def test_an_announced_block_is_fetched_from_the_peer_bit_exact_and_left_unused_t
     assert h["sa"].contains(ks[0]) is None
     h["cb"].announce("gone", [ks[0].digest])
     _wait(lambda: h["ca"].holder(ks[0]) is None)
+
+
+def test_a_fetch_of_many_groups_is_read_ahead_and_arrives_whole_in_order(two_hosts) -> None:
+    """More blocks than the server reads at once (8): the groups are read while earlier ones are
+    sent, through two reused buffer sets; every block arrives bit-exact in its own buffer, hits
+    and misses where they belong. The server sends the digest its store verified the bytes
+    against (it does not hash them again)."""
+    h = two_hosts
+    n = 37
+    ks = keys(n)
+    h["sb"].put_batch(ks, [payload(i) for i in range(n)])
+    absent = {5, 17, 30}
+    for i in absent:
+        h["sb"].remove([ks[i]])
+    h["cb"].announce("have", [k.digest for k in ks])
+    _wait(lambda: len(h["da"]) == n)
+    for _ in range(2):  # the second fetch reuses the connection and its buffer sets
+        bufs = [bytearray(BLOCK) for _ in ks]
+        res = h["ca"].get_batch_into(ks, bufs)
+        assert [r.status for r in res] == ["miss" if i in absent else "hit" for i in range(n)]
+        assert all(bufs[i] == payload(i) for i in range(n) if i not in absent)
+    assert h["srv_b"].served_blocks == 2 * (n - len(absent))
+    got = h["sb"].get_batch_into(ks[:1], [bytearray(BLOCK)], for_peer=True)[0]
+    assert got.payload_digest == blake3_hex(payload(0))
 
 
 def test_a_corrupt_copy_on_the_peer_is_a_miss_and_the_next_source_is_tried(two_hosts) -> None:

@@ -99,6 +99,9 @@ class GetResult:
     """Why, for ``error`` (a wrong buffer size, a tier that failed)."""
     reason: MissReason | None = None
     """For a miss: ``absent`` (no tier has it), ``deadline`` (not in time), ``corrupt`` (only bad copies)."""
+    payload_digest: str | None = None
+    """On a hit from a block file (DRAM pool, local tier): the BLAKE3 (hex) the bytes were verified
+    against, so that a caller passing them on need not hash them again (the fabric path's server)."""
 
     @property
     def hit(self) -> bool:

@@ -62,8 +62,9 @@ class LowerTier(Protocol):
         remove of the block came after it, and the copy was discarded."""
         ...
 
-    def read_into(self, digest: str, out: memoryview) -> bool:
-        """Fill ``out`` with the verified payload; False if absent; raise for corrupt or wrong size."""
+    def read_into(self, digest: str, out: memoryview) -> str | bool | None:
+        """Fill ``out`` with the verified payload; a falsy value if absent, else True or the
+        payload's BLAKE3 (hex) it was verified against; raise for corrupt or wrong size."""
         ...
 
     def exists(self, digest: str) -> bool: ...
@@ -188,7 +189,7 @@ class LocalBlocks(_BlocksOnTier):
         except (ShoalError, OSError) as e:
             log.warning("local KV tier: block %s dropped without a copy on the shared tier: %s", digest, e)
 
-    def read_into(self, digest: str, out: memoryview) -> bool:
+    def read_into(self, digest: str, out: memoryview) -> str | None:
         failpoints.hit(FP_LOCAL_READ, rank=failpoints.process_rank())
         path = os.path.join(self.tier.root, block_path(digest))
         return read_block_file_into(path, digest, out, "on the local tier")

@@ -31,6 +31,7 @@ import contextlib
 import hmac
 import json
 import logging
+import queue
 import socket
 import socketserver
 import struct
@@ -67,7 +68,7 @@ SHARED_HOLDER = "@shared"
 _HEADER = struct.Struct(">I")
 _MAX_HEADER = 1 << 20
 _GROUP = 8
-"""Blocks a server reads before it sends them: the first bytes leave while the rest are read."""
+"""Blocks a server reads before it sends them; the next group is read while one is sent."""
 
 
 class PeerError(ShoalError):
@@ -227,7 +228,7 @@ class PeerServer:
 
     def _serve(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        buffers: dict[int, list[bytearray]] = {}
+        buffers: list[dict[int, list[bytearray]]] = []
         try:
             hello = _recv_header(sock)
             if hello.get("op") != "hello" or not hmac.compare_digest(
@@ -256,52 +257,102 @@ class PeerServer:
         self,
         sock: socket.socket,
         asked: list[tuple[BlockKey, int | None]],
-        buffers: dict[int, list[bytearray]],
+        buffers: list[dict[int, list[bytearray]]],
     ) -> None:
-        for start in range(0, len(asked), _GROUP):
-            group = [k for k, _ in asked[start : start + _GROUP]]
-            wanted = [n for _, n in asked[start : start + _GROUP]]
-            frames: list[tuple[dict[str, Any], Any]] = [({"s": "miss", "why": "absent"}, None)] * len(group)
-            todo = list(range(len(group)))
-            used: dict[int, int] = {}
-            for source in self.sources:
-                if not todo:
-                    break
-                sized = []
-                for i in todo:
-                    size = wanted[i]
-                    if size is None:  # the asker did not say: the index knows
-                        try:
-                            size = source.block_size(group[i])
-                        except (ShoalError, OSError):
-                            size = None
-                    if size:
-                        sized.append((i, size))
-                if not sized:
-                    continue
-                bufs = []
-                for _, size in sized:
-                    pool = buffers.setdefault(size, [])
-                    k = used.get(size, 0)
-                    if k == len(pool):
-                        pool.append(bytearray(size))
-                    used[size] = k + 1
-                    bufs.append(pool[k])
-                results = source.get_batch_into([group[i] for i, _ in sized], bufs, for_peer=True)
-                still = set(todo)
-                for (i, _), res, buf in zip(sized, results, bufs, strict=True):
-                    if res.status == "hit":
-                        view = memoryview(buf)[: res.nbytes]
-                        frames[i] = ({"s": "hit", "n": res.nbytes, "b3": blake3_hex(view)}, view)
-                        still.discard(i)
-                    elif res.reason == "corrupt":
-                        frames[i] = ({"s": "miss", "why": "corrupt"}, None)
-                todo = [i for i in todo if i in still]
-            for header, payload in frames:
-                _send(sock, header, payload)
-                if payload is not None:
-                    self.served_blocks += 1
-                    self.served_bytes += header["n"]
+        """Answer one ``get``: read the keys :data:`_GROUP` at a time and stream their frames.
+
+        With more than one group, a read-ahead thread reads the next group while this one is
+        sent (two buffer sets, each reused once its frames are on the wire), so that the link is
+        not idle while the disk is read and the disk not idle while the link drains."""
+        groups = [asked[start : start + _GROUP] for start in range(0, len(asked), _GROUP)]
+        while len(buffers) < 2:
+            buffers.append({})
+        if len(groups) <= 1:
+            for group in groups:
+                self._send_frames(sock, self._read_group(group, buffers[0]))
+            return
+        free = threading.Semaphore(2)
+        ready: queue.Queue[tuple[int, list[tuple[dict[str, Any], Any]]] | BaseException] = queue.Queue()
+        stop = threading.Event()
+
+        def read_ahead() -> None:
+            try:
+                for n, group in enumerate(groups):
+                    free.acquire()
+                    if stop.is_set():
+                        return
+                    ready.put((n, self._read_group(group, buffers[n % 2])))
+            except BaseException as e:  # noqa: BLE001 - raised by the sender below
+                ready.put(e)
+
+        reader = threading.Thread(target=read_ahead, name="shoal-kv-peer-read", daemon=True)
+        reader.start()
+        try:
+            for _ in groups:
+                item = ready.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self._send_frames(sock, item[1])
+                free.release()  # that buffer set is on the wire: the reader may fill it again
+        finally:
+            stop.set()
+            free.release()
+            free.release()
+            reader.join()
+
+    def _read_group(
+        self, asked: list[tuple[BlockKey, int | None]], buffers: dict[int, list[bytearray]]
+    ) -> list[tuple[dict[str, Any], Any]]:
+        """One group's frames: each block read from the first source that holds it, verified there."""
+        group = [k for k, _ in asked]
+        wanted = [n for _, n in asked]
+        frames: list[tuple[dict[str, Any], Any]] = [({"s": "miss", "why": "absent"}, None)] * len(group)
+        todo = list(range(len(group)))
+        used: dict[int, int] = {}
+        for source in self.sources:
+            if not todo:
+                break
+            sized = []
+            for i in todo:
+                size = wanted[i]
+                if size is None:  # the asker did not say: the index knows
+                    try:
+                        size = source.block_size(group[i])
+                    except (ShoalError, OSError):
+                        size = None
+                if size:
+                    sized.append((i, size))
+            if not sized:
+                continue
+            bufs = []
+            for _, size in sized:
+                pool = buffers.setdefault(size, [])
+                k = used.get(size, 0)
+                if k == len(pool):
+                    pool.append(bytearray(size))
+                used[size] = k + 1
+                bufs.append(pool[k])
+            results = source.get_batch_into([group[i] for i, _ in sized], bufs, for_peer=True)
+            still = set(todo)
+            for (i, _), res, buf in zip(sized, results, bufs, strict=True):
+                if res.status == "hit":
+                    view = memoryview(buf)[: res.nbytes]
+                    # the digest the source verified the bytes against, or (a source that does not
+                    # say) their own: the asker checks them against it on arrival
+                    b3 = res.payload_digest or blake3_hex(view)
+                    frames[i] = ({"s": "hit", "n": res.nbytes, "b3": b3}, view)
+                    still.discard(i)
+                elif res.reason == "corrupt":
+                    frames[i] = ({"s": "miss", "why": "corrupt"}, None)
+            todo = [i for i in todo if i in still]
+        return frames
+
+    def _send_frames(self, sock: socket.socket, frames: list[tuple[dict[str, Any], Any]]) -> None:
+        for header, payload in frames:
+            _send(sock, header, payload)
+            if payload is not None:
+                self.served_blocks += 1
+                self.served_bytes += header["n"]
 
     def close(self) -> None:
         self._server.shutdown()

@@ -79,10 +79,11 @@ class BufferSizeError(ShoalError, ValueError):
         self.block_bytes = block_bytes
 
 
-def read_block_file_into(path: str, digest: str, out: memoryview, where: str) -> bool:
+def read_block_file_into(path: str, digest: str, out: memoryview, where: str) -> str | None:
     """Read the block file at ``path`` into ``out`` (one ``preadv``) and verify header and payload.
 
-    False if there is no such file. Raises :class:`BufferSizeError` for a buffer of the wrong size,
+    Returns the payload's BLAKE3 (hex), which the bytes in ``out`` were verified to have; None if
+    there is no such file. Raises :class:`BufferSizeError` for a buffer of the wrong size,
     and :class:`~shoal.errors.FormatError` / :class:`~shoal.errors.ChecksumMismatch` for a torn or
     corrupt file (``out`` then holds garbage). ``where`` names the tier in messages. The pool and
     the local tier both read their block files here.
@@ -90,7 +91,7 @@ def read_block_file_into(path: str, digest: str, out: memoryview, where: str) ->
     try:
         fd, st = open_private_stat(path, os.O_RDONLY)
     except (FileNotFoundError, NotADirectoryError):
-        return False
+        return None
     try:
         size = st.st_size
         if size - HEADER_SIZE != out.nbytes:
@@ -110,7 +111,7 @@ def read_block_file_into(path: str, digest: str, out: memoryview, where: str) ->
     header = parse_header(head, path)
     check_block(header, digest, got, path)
     verify_payload(header, out, path)
-    return True
+    return header.payload_digest
 
 
 class DramPool:
@@ -295,8 +296,9 @@ class DramPool:
                 raise
         return tmp
 
-    def read_into(self, digest: str, out: memoryview) -> bool:
-        """Fill ``out`` with the block's verified payload; False if the pool does not hold it.
+    def read_into(self, digest: str, out: memoryview) -> str | None:
+        """Fill ``out`` with the block's verified payload and return its BLAKE3; None if the pool
+        does not hold it.
 
         Raises as :func:`read_block_file_into`.
         """

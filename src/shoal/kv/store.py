@@ -405,12 +405,12 @@ class KVStore:
             self._notify(KVEvent("fetched", None, asked, hit, now, "", now - began))
         return out
 
-    def _pool_read(self, digest: str, out: memoryview) -> bool:
+    def _pool_read(self, digest: str, out: memoryview) -> str | None:
         return self._pool.read_into(digest, out)
 
     def _read_pass(
         self,
-        read: Callable[[str, memoryview], bool],
+        read: Callable[[str, memoryview], str | bool | None],
         tier: str,
         keys: Sequence[BlockKey],
         views: dict[int, memoryview],
@@ -444,7 +444,7 @@ class KVStore:
         i: int,
         key: BlockKey,
         view: memoryview,
-        attempt: Callable[[], bool],
+        attempt: Callable[[], str | bool | None],
         results: list[GetResult | None],
         corrupt: set[int],
         missing: dict[int, memoryview],
@@ -470,7 +470,8 @@ class KVStore:
             counters.add(misses=1)
             missing[i] = view
             return False
-        results[i] = GetResult(key, "hit", tier=tier, nbytes=view.nbytes)
+        checked = found if isinstance(found, str) else None
+        results[i] = GetResult(key, "hit", tier=tier, nbytes=view.nbytes, payload_digest=checked)
         counters.add(hits=1, bytes_read=view.nbytes)
         if tier != DRAM and use:
             self._writeback.promote(key.digest, bytes(view), tier, since)
