@@ -308,8 +308,8 @@ class GroupedReader:
 
     @staticmethod
     def _status_of(block: BlockAssignment, res: GetResult, view: memoryview) -> _Status:
-        if res.hit:
-            return _Status(block.digest, "hit", None, res.tier, digest(view))
+        if res.hit:  # the digest the store verified the bytes against, if it says; else their own
+            return _Status(block.digest, "hit", None, res.tier, res.payload_digest or digest(view))
         err = res.error
         return _Status(
             block.digest,
@@ -371,7 +371,7 @@ class GroupedReader:
         """A block that came over the fabric: a hit only if it hashes to what its reader read."""
         actual = digest(view)
         if actual == status.content:
-            return GetResult(key, "hit", tier=status.tier, nbytes=view.nbytes)
+            return GetResult(key, "hit", tier=status.tier, nbytes=view.nbytes, payload_digest=actual)
         err = ChecksumMismatch(
             f"grouped read: block {key.digest} from rank {src} to rank {self.fabric.rank} hashes to "
             f"{actual}, its reader read {status.content}; it is a miss (recompute it), never served"

@@ -568,7 +568,7 @@ class PeerClient:
                     )
                     out.append(GetResult(key, "miss", reason="corrupt"))
                     continue
-                out.append(GetResult(key, "hit", tier=PEER, nbytes=n))
+                out.append(GetResult(key, "hit", tier=PEER, nbytes=n, payload_digest=header["b3"]))
         except (OSError, PeerError) as e:
             timed_out = isinstance(e, TimeoutError | socket.timeout)
             log.warning("KV peer fetch from %s: %s; %d keys become misses", host, e, len(keys) - len(out))
