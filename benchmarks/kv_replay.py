@@ -93,14 +93,26 @@ def _policies(args: argparse.Namespace, hosts: int) -> list[str]:
     return out
 
 
+def _done(results: list[dict[str, Any]]) -> set[str]:
+    """The policies that ``results`` (one storage and host count, maybe from --resume) already ran."""
+    return {run["config"]["policy"] for run in results}
+
+
 def _configs(
-    args: argparse.Namespace, storage: str, root: str, hosts: int = 1, fabric_mbit: float | None = None
+    args: argparse.Namespace,
+    storage: str,
+    root: str,
+    hosts: int = 1,
+    fabric_mbit: float | None = None,
+    done: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> list[ServingConfig]:
-    """One ServingConfig per policy for ``storage`` on ``hosts`` hosts, each with fresh roots."""
+    """One ServingConfig per policy not ``done`` for ``storage`` on ``hosts`` hosts, fresh roots each."""
     layout = _layout(args)
     block = args.block_bytes or max(64, layout.block_bytes // args.scale)
     out = []
     for policy in _policies(args, hosts):
+        if policy in done:
+            continue
         run = f"{policy}-{secrets.token_hex(3)}"
         cfg = ServingConfig(
             policy=policy,
@@ -161,9 +173,8 @@ def _run_local(args: argparse.Namespace, root: str, out: dict[str, list[dict[str
 
     for n in _hosts(args):
         rph = _ranks_per_host(args, n)
-        results: list[dict[str, Any]] = []
-        out[f"local-{n}h" if len(_hosts(args)) > 1 or n > 1 else "local"] = results
-        for cfg in _configs(args, "local", root, n):
+        results = out.setdefault(f"local-{n}h" if len(_hosts(args)) > 1 or n > 1 else "local", [])
+        for cfg in _configs(args, "local", root, n, done=_done(results)):
             t = time.monotonic()
             ranks = run_ranks(
                 replay_instance,
@@ -171,7 +182,9 @@ def _run_local(args: argparse.Namespace, root: str, out: dict[str, list[dict[str
                 kwargs={"config": asdict(cfg)},
                 timeout=_timeout(args),
             )
-            results.append({"config": asdict(cfg), "ranks": ranks, "wall_s": time.monotonic() - t})
+            results.append(
+                {"config": asdict(cfg), "ranks": ranks, "wall_s": time.monotonic() - t, "commit": COMMIT}
+            )
             save()
             print(
                 f"  local, {n} host(s): {cfg.policy} done in {time.monotonic() - t:.0f} s",
@@ -238,9 +251,8 @@ def _run_cluster(
     with Cluster(spec) as cluster:
         for n in counts:
             rph = _ranks_per_host(args, n)
-            results: list[dict[str, Any]] = []
-            out[f"cluster-{n}h"] = results
-            for cfg in _configs(args, "cluster", root, n, fabric_mbit):
+            results = out.setdefault(f"cluster-{n}h", [])
+            for cfg in _configs(args, "cluster", root, n, fabric_mbit, done=_done(results)):
                 t = time.monotonic()
                 load = BackgroundLoad(
                     cluster, tenant, writers=args.tenant_writers, readers=args.tenant_readers,
@@ -255,8 +267,11 @@ def _run_cluster(
                 after = [asdict(cluster.counters(i)) for i in range(n)]
                 links = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
                 results.append(
-                    {"config": asdict(cfg), "ranks": ranks, "wall_s": time.monotonic() - t, "links": links}
-                )
+                    {
+                        "config": asdict(cfg), "ranks": ranks, "wall_s": time.monotonic() - t,
+                        "links": links, "commit": COMMIT,
+                    }
+                )  # fmt: skip
                 save()
                 print(
                     f"  cluster, {n} host(s): {cfg.policy} done in {time.monotonic() - t:.0f} s",
@@ -283,6 +298,53 @@ def _legacy(config: dict[str, Any]) -> dict[str, Any]:
         config["policy"], config["policy"])}  # fmt: skip
 
 
+SAME_FOR_RESUME = (
+    "trace", "minutes", "speedup", "per_token_ms", "block_tokens", "tp", "fabric_gbps", "scale",
+    "block_bytes", "dram_blocks", "local_blocks", "instances", "high_water", "shared_lookup",
+    "staging_blocks", "shared_gbps", "storage_gbps", "storage_cpus", "job_cpus", "tenant_writers",
+    "tenant_readers", "tenant_pause",
+)  # fmt: skip
+"""The settings a resumed file must share with this invocation (its runs are then comparable)."""
+
+
+def _commit() -> str:
+    """The code a run measured: the git commit, with ``+dirty`` for uncommitted changes."""
+    import subprocess
+
+    try:
+        head = subprocess.run(
+            ["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", HERE, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+COMMIT = _commit()
+
+
+def _resumed(args: argparse.Namespace) -> dict[str, Any]:
+    """The saved file of ``--out``, to be continued; refused (naming the setting) if it was made
+    with other settings than these."""
+    with open(args.out, encoding="utf-8") as f:
+        saved = json.load(f)
+    old = saved.get("args", {})
+    for name in SAME_FOR_RESUME:
+        if name in old and old[name] != getattr(args, name):
+            raise SystemExit(
+                f"kv_replay --resume: {args.out} was run with --{name.replace('_', '-')} {old[name]!r}, "
+                f"this run has {getattr(args, name)!r}; resume with the same settings or use another --out"
+            )
+    hosts = sorted({*map(int, str(old.get("hosts", "1")).split(",")), *_hosts(args)})
+    policies = list(dict.fromkeys([*str(old.get("policies", "")).split(","), *args.policies.split(",")]))
+    merged = {**old, "hosts": ",".join(map(str, hosts)), "policies": ",".join(p for p in policies if p)}
+    return {"args": merged, "results": saved.get("results", {})}
+
+
 def report(saved: dict[str, Any]) -> dict[str, Any]:
     """Summaries per storage and policy, shoal's gains and the LRU check, from saved raw results."""
     args = saved["args"]
@@ -306,6 +368,7 @@ def report(saved: dict[str, Any]) -> dict[str, Any]:
                 row["lru_dram_hit_ratio"] = sim.dram_hit_ratio
                 row["lru_prefix_hit_ratio"] = sim.prefix_hit_ratio
             row["wall_s"] = run["wall_s"]
+            row["commit"] = run.get("commit", "")
             if "links" in run:  # bytes through the serving hosts' links, at full scale
                 scale = full_block / cfg.block_bytes
                 row["links_full_scale"] = {
@@ -399,6 +462,10 @@ def _print(rep: dict[str, Any]) -> None:
             print("over storage's minus shoal's):\n")
             for name, share in shares.items():
                 print(f"- {name}: {share:+.0%}")
+        commits = {r.get("commit", "") for r in s["rows"].values()}
+        if len(commits) > 1:  # a file continued with --resume at other code
+            which = [f"{policy} at {r.get('commit') or 'unrecorded'}" for policy, r in s["rows"].items()]
+            print("\nThe runs measured different code: " + ", ".join(which))
 
 
 def _plot(rep: dict[str, Any], path: str, saved: dict[str, Any]) -> None:
@@ -492,6 +559,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tenant-readers", type=int, default=1)
     ap.add_argument("--tenant-pause", type=float, default=0.5)
     ap.add_argument("--out", default=None, help="write the raw results here (JSON)")
+    ap.add_argument(
+        "--resume", action="store_true",
+        help="--out exists: keep its runs and run only the (host count, policy) pairs it lacks "
+        "(its settings must be these)",
+    )  # fmt: skip
     ap.add_argument("--from", dest="source", default=None, help="report results saved with --out")
     ap.add_argument("--plot", default=None, help="draw the TTFT distributions to this PNG")
     args = ap.parse_args(argv)
@@ -507,6 +579,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--staging-blocks must be >= 1, got {args.staging_blocks}")
     if args.block_tokens < 1:
         ap.error(f"--block-tokens must be >= 1, got {args.block_tokens}")
+    if args.resume and not args.out:
+        ap.error("--resume continues the file named by --out; pass --out")
     for s in args.storage.split(","):
         if s not in ("local", "cluster"):
             ap.error(f"--storage: unknown storage {s!r}; choose local, cluster or local,cluster")
@@ -527,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         root = tempfile.mkdtemp(prefix="shoal-kvreplay-")
         saved = {"args": vars(args), "results": {}}
+        if args.resume and os.path.exists(args.out):
+            saved = _resumed(args)
 
         def save() -> None:
             """Write what has run so far (after every run: a long run stopped early keeps its results)."""
