@@ -433,7 +433,7 @@ def _print(rep: dict[str, Any]) -> None:
         print("\nBytes, GiB at full scale: read per tier; through the serving hosts' links (all hosts)\n")
         cols = ["policy", "read: dram", "staging", "local", "peer", "storage"]
         cols += ["storage NIC in", "out", "fabric in", "out", "peer fetches", "of them filling the link"]
-        cols += ["link use"]
+        cols += ["link use", "per fetch"]
         print("| " + " | ".join(cols) + " |")
         print("|---|" + "---:|" * (len(cols) - 1))
         for policy, r in s["rows"].items():
@@ -441,6 +441,7 @@ def _print(rep: dict[str, Any]) -> None:
             links = r.get("links_full_scale") or {}
             pl = r.get("peer_link") or {}
             use = f"{pl['link_use']:.0%}" if "link_use" in pl else ""
+            one = f"{pl['per_fetch_use']:.0%}" if "per_fetch_use" in pl else ""
             print(
                 f"| {policy} | {_gib(b.get('dram', 0))} | {_gib(b.get('staging', 0))} | "
                 f"{_gib(b.get('local', 0))} | {_gib(b.get('peer', 0))} | {_gib(b.get('shared', 0))} | "
@@ -448,7 +449,7 @@ def _print(rep: dict[str, Any]) -> None:
                     _gib(links[k]) if k in links else ""
                     for k in ("storage_rx", "storage_tx", "fabric_rx", "fabric_tx")
                 )
-                + f" | {pl.get('fetches', 0)} | {pl.get('large_fetches', '')} | {use} |"
+                + f" | {pl.get('fetches', 0)} | {pl.get('large_fetches', '')} | {use} | {one} |"
             )
         for other, g in s["shoal_lower_mean_ttft_than"].items():
             word = "lower" if g >= 0 else "higher"

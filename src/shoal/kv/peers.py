@@ -362,8 +362,9 @@ class PeerServer:
 
 @dataclass
 class PeerStats:
-    """One client's running totals. ``fetches``: (host, bytes, seconds) of every request that moved
-    bytes, for the link's use (bytes / seconds against its rate)."""
+    """One client's running totals. ``fetches``: (host, bytes, seconds, started) of every request
+    that moved bytes (``started``: its ``time.monotonic()``, one clock for the machine's
+    processes), for the links' use: bytes over the time the links were busy, against their rate."""
 
     requests: int = 0
     blocks: int = 0
@@ -373,7 +374,7 @@ class PeerStats:
     failed: int = 0
     """Keys lost to a peer that failed, closed the connection or missed the deadline."""
     announced: int = 0
-    fetches: list[tuple[str, int, float]] = field(default_factory=list)
+    fetches: list[tuple[str, int, float, float]] = field(default_factory=list)
 
 
 class _Conn:
@@ -588,7 +589,7 @@ class PeerClient:
         self.stats.blocks += hits
         self.stats.bytes += moved
         if moved:
-            self.stats.fetches.append((host, moved, time.monotonic() - began))
+            self.stats.fetches.append((host, moved, time.monotonic() - began, began))
         return out
 
     def close(self) -> None:

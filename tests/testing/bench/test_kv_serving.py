@@ -27,6 +27,7 @@ from shoal.testing.bench.kv_serving import (
     TwoLevelPolicy,
     block_bytes_for,
     make_policy,
+    peer_link,
     scaled_link_mbit,
     serve_request,
     serve_requests,
@@ -361,3 +362,30 @@ def test_a_full_scale_link_is_shaped_to_its_bandwidth_times_speedup_over_the_byt
     assert scaled_link_mbit(10.0, 10.0, 1536) == pytest.approx(520.83, rel=1e-4)
     with pytest.raises(ShoalError, match="byte_scale"):
         scaled_link_mbit(10.0, 1.0, 0)
+
+
+def test_the_fabric_links_use_counts_fetches_that_share_a_link_together(tmp_path: Path) -> None:
+    """Two fetches from one holder at once, each at half the rate: the holder's link out was full
+    the whole time (use 100%), though each fetch alone saw half of it; a short fetch's round
+    trip does not count; a file from before the spans were recorded still reports."""
+    cfg = _config(tmp_path, "t.jsonl", "shoal", fabric_mbit=8.0)  # 1 MB/s
+    rate = 1e6
+    half = int(rate * 0.5)  # each moves 0.5 MB in 1 s
+
+    def rank(host: str, fetches: list[list[Any]]) -> dict[str, Any]:
+        peers = {"requests": len(fetches), "blocks": 1, "bytes": 1, "fetches": fetches}
+        return {"host": host, "policy": {"below": {"peers": peers}}}
+
+    ranks = [
+        rank("a", [["c", half, 1.0, 100.0], ["c", 1000, 0.01, 300.0]]),
+        rank("b", [["c", half, 1.0, 100.0]]),
+    ]
+    out = peer_link(ranks, cfg)
+    assert out["fetches"] == 3 and out["large_fetches"] == 2
+    assert out["per_fetch_use"] == pytest.approx(0.5)
+    # c's link out: busy 1 s with 1 MB (100%); a's and b's links in: 0.5 MB in 1 s each (50%)
+    assert out["busy_periods"] == 3
+    assert out["link_use_out"] == pytest.approx(1.0) and out["link_use_in"] == pytest.approx(0.5)
+    assert out["link_use"] == pytest.approx(1.0)
+    old = [rank("a", [["c", half, 1.0]])]  # no start times: each fetch on its own
+    assert peer_link(old, cfg)["link_use"] == pytest.approx(0.5)

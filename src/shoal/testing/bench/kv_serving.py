@@ -1122,14 +1122,38 @@ def summarize(
 
 
 LINK_FILL_S = 0.02
-"""A peer fetch counts towards the link's use when its bytes take at least this long at the
+"""A busy period of a link counts towards its use when its bytes take at least this long at the
 link's rate (a shorter one is mostly its round trip)."""
 
 
+def _busy_periods(spans: Sequence[tuple[float, float, int]]) -> list[tuple[float, int]]:
+    """The union of ``(start, end, bytes)`` spans: (seconds, bytes) per busy period."""
+    out: list[tuple[float, int]] = []
+    cur: list[float] | None = None  # start, end, bytes of the period being built
+    for s, e, b in sorted(spans):
+        if cur is not None and s <= cur[1]:
+            cur[1], cur[2] = max(cur[1], e), cur[2] + b
+            continue
+        if cur is not None:
+            out.append((cur[1] - cur[0], int(cur[2])))
+        cur = [s, e, b]
+    if cur is not None:
+        out.append((cur[1] - cur[0], int(cur[2])))
+    return out
+
+
 def peer_link(ranks: Sequence[Mapping[str, Any]], cfg: ServingConfig) -> dict[str, Any]:
-    """The peer fetches of every rank: blocks, bytes, requests, and the link's use during the
-    fetches that are long enough to fill it (bytes / seconds over the shaped rate)."""
-    fetches = []
+    """The peer fetches of every rank: blocks, bytes, requests, and the fabric links' use.
+
+    Each fetch occupies its holder's link out and its receiver's link in (both shaped to
+    ``cfg.fabric_mbit``), and several fetches may share a link at once. A link's busy periods are
+    the union of its fetches' spans; those whose bytes take at least :data:`LINK_FILL_S` at the
+    link's rate count. ``link_use_out`` / ``link_use_in``: over the holders' links out / the
+    receivers' links in, the bytes of those periods over their seconds, over the rate;
+    ``link_use``: the larger (the bottleneck side: two hosts reading from one fill its link out,
+    not theirs in). ``per_fetch_use``: single fetches of that size, each on its own (lower when
+    fetches share a link)."""
+    fetches: list[tuple[str, str, int, float, float | None]] = []
     out: dict[str, Any] = {"requests": 0, "blocks": 0, "bytes": 0, "corrupt": 0, "failed": 0}
     for rank in ranks:
         below = rank.get("policy", {}).get("below", {})
@@ -1138,12 +1162,35 @@ def peer_link(ranks: Sequence[Mapping[str, Any]], cfg: ServingConfig) -> dict[st
             continue
         for k in out:
             out[k] += p.get(k, 0)
-        fetches += [(int(b), float(t)) for _, b, t in p.get("fetches", [])]
+        for f in p.get("fetches", []):
+            started = float(f[3]) if len(f) > 3 else None  # files saved before spans were recorded
+            fetches.append((str(f[0]), str(rank.get("host", "")), int(f[1]), float(f[2]), started))
     rate = None if cfg.fabric_mbit is None else cfg.fabric_mbit * 1e6 / 8
     out["fetches"] = len(fetches)
-    if rate and fetches:
-        big = [(b, t) for b, t in fetches if b >= rate * LINK_FILL_S and t > 0]
-        out["large_fetches"] = len(big)
-        if big:
-            out["link_use"] = sum(b for b, _ in big) / sum(t for _, t in big) / rate
+    if not rate or not fetches:
+        return out
+    fill = rate * LINK_FILL_S
+    big = [(b, t) for _, _, b, t, _ in fetches if b >= fill and t > 0]
+    out["large_fetches"] = len(big)
+    if big:
+        out["per_fetch_use"] = sum(b for b, _ in big) / sum(t for _, t in big) / rate
+    links: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
+    for holder, receiver, b, t, started in fetches:
+        if started is not None:
+            links.setdefault((holder, "out"), []).append((started, started + t, b))
+            links.setdefault((receiver, "in"), []).append((started, started + t, b))
+    out["busy_periods"] = 0
+    for way in ("out", "in"):
+        periods = [
+            p for (_, w), spans in links.items() if w == way for p in _busy_periods(spans)
+            if p[1] >= fill and p[0] > 0
+        ]  # fmt: skip
+        out["busy_periods"] += len(periods)
+        if periods:
+            out[f"link_use_{way}"] = sum(b for _, b in periods) / sum(t for t, _ in periods) / rate
+    if "link_use_out" in out or "link_use_in" in out:
+        # the fuller side is the bottleneck: two hosts reading from one fill its link out, not theirs in
+        out["link_use"] = max(out.get("link_use_out", 0.0), out.get("link_use_in", 0.0))
+    elif big and not links:
+        out["link_use"] = out["per_fetch_use"]  # an old file: only single fetches were recorded
     return out
