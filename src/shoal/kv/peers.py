@@ -131,10 +131,20 @@ class PeerDirectory:
 
 
 def _send(sock: socket.socket, header: dict[str, Any], payload: Any = None) -> None:
+    """One frame: its header and payload handed to the kernel together (one ``sendmsg``, not a
+    small packet for the header and another call for the bytes), the rest as ``sendall`` would."""
     head = json.dumps(header, separators=(",", ":")).encode()
-    sock.sendall(_HEADER.pack(len(head)) + head)
-    if payload is not None:
-        sock.sendall(payload)
+    frame = _HEADER.pack(len(head)) + head
+    if payload is None:
+        sock.sendall(frame)
+        return
+    body = memoryview(payload).cast("B")
+    sent = sock.sendmsg([frame, body])
+    if sent < len(frame):
+        sock.sendall(frame[sent:])
+        sent = len(frame)
+    if sent - len(frame) < body.nbytes:
+        sock.sendall(body[sent - len(frame) :])
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
