@@ -687,8 +687,11 @@ class ShoalFallback:
             k = 0
             while k < len(keys) and source.lookup_prefix(keys[k : k + 1]) == 1:
                 k += 1
-        if self.grouped is not None:
-            k = self.agree(k)  # the instance's ranks read the same keys together
+        if self.grouped is not None and not self.batched:
+            # one grouped read per block: the ranks must make as many calls; in one batch they
+            # need not want the same keys (the grouped read reads their union once), and the
+            # policy agrees on what was found afterwards: one all-gather fewer per request
+            k = self.agree(k)
         self.lookup_s = time.monotonic() - t
         while len(self._buffers) < k:
             self._buffers.append(bytearray(self.block_bytes))
