@@ -36,6 +36,7 @@ tier (``--local-blocks``), the fabric path and the S3. The results are saved aft
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import secrets
@@ -327,11 +328,24 @@ def _commit() -> str:
 COMMIT = _commit()
 
 
+def _open(path: str, name: str, mode: str) -> Any:
+    """``path`` opened as text, through gzip when ``name`` ends in ``.gz``."""
+    if name.endswith(".gz"):
+        return gzip.open(path, mode, encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
+
+
+def _load(path: str) -> dict[str, Any]:
+    """A file saved with ``--out`` (gzip'd when its name ends in ``.gz``)."""
+    with _open(path, path, "rt") as f:
+        saved: dict[str, Any] = json.load(f)
+    return saved
+
+
 def _resumed(args: argparse.Namespace) -> dict[str, Any]:
     """The saved file of ``--out``, to be continued; refused (naming the setting) if it was made
     with other settings than these."""
-    with open(args.out, encoding="utf-8") as f:
-        saved = json.load(f)
+    saved = _load(args.out)
     old = saved.get("args", {})
     for name in SAME_FOR_RESUME:
         if name in old and old[name] != getattr(args, name):
@@ -559,7 +573,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tenant-writers", type=int, default=1)
     ap.add_argument("--tenant-readers", type=int, default=1)
     ap.add_argument("--tenant-pause", type=float, default=0.5)
-    ap.add_argument("--out", default=None, help="write the raw results here (JSON)")
+    ap.add_argument("--out", default=None, help="write the raw results here (JSON; gzip'd if it ends in .gz)")
     ap.add_argument(
         "--resume", action="store_true",
         help="--out exists: keep its runs and run only the (host count, policy) pairs it lacks "
@@ -591,8 +605,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.source:
-        with open(args.source, encoding="utf-8") as f:
-            saved = json.load(f)
+        saved = _load(args.source)
     else:
         try:
             # a bad trace fails here, naming the line
@@ -610,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.out:
                 return
             tmp = f"{args.out}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
+            with _open(tmp, args.out, "wt") as f:
                 json.dump({**saved, "results": {k: v for k, v in saved["results"].items() if v}}, f)
             os.replace(tmp, args.out)
 

@@ -1076,9 +1076,7 @@ def summarize(
     from the tier / blocks asked for), blocks recomputed, and bytes read per tier, as stored here
     and at the model's full block size. An instance's requests are its leader's records (its
     other TP ranks fetch with it and agree on what was fetched). The write-back's back-pressure
-    is each request's ``writer_wait`` (mean, p99); the fabric path's link use is the peer
-    fetches' bytes over their seconds, against ``fabric_mbit``, for the fetches long enough to
-    fill the link (:data:`LINK_FILL_S` at its rate)."""
+    is each request's ``writer_wait`` (mean, p99); the fabric links' use is :func:`peer_link`'s."""
     leaders = [rank for rank in ranks if rank.get("leader", True)]
     records = [r for rank in leaders for r in rank["records"]]
     s = cfg.speedup
