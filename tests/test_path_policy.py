@@ -120,6 +120,12 @@ def test_auto_is_the_model_after_its_cold_start_and_every_decision_can_be_audite
         predicted = events[s]["predictions"]
         assert set(predicted) == {PARTNER, DIRECT} and events[s]["path"] == steps[s]["path"]
         assert all(p["seconds"] >= p["typical"] > 0 for p in predicted.values())
+        # what the decision cost on the pipeline's thread, and the update behind it in its own process
+        cost = events[s]["cost"]
+        assert cost["when"] == "before the plan" and cost["decide_s"] >= 0, cost
+        assert cost["update"]["where"] == "process" and cost["update"]["after_checkpoint"] == s - 1, cost
+    for s in warm:
+        assert "update" not in events[s]["cost"] and events[s]["cost"]["decide_s"] >= 0
     observed = {e["step"]: e for e in results[0]["observed"]}
     assert set(observed) == set(range(1, saves + 1))
     for s, e in observed.items():

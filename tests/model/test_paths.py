@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
+import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from shoal.engine.path import DIRECT, PARTNER, ModelPolicy, PathContext, PathRecord
+from shoal.engine.path import DIRECT, PARTNER, ModelPolicy, PathContext, PathRecord, decide_path
 from shoal.errors import ConfigError
 from shoal.model.paths import PathModel, PathTimes
 from shoal.model.writers import TierState, WriterFit, WriterSample
@@ -125,10 +129,100 @@ def test_the_policy_follows_the_tier_state_from_the_newest_checkpoints():
     times = history(rng, fast, PARTNER, 10)
     policy.observe(_records(times))
     assert policy.decide(_context(_records(times), 11)).path == DIRECT
-    times += history(rng, slow, DIRECT, 3, first=11)
+    for k in range(11, 14):  # each checkpoint observed as it finishes, as the pipeline does
+        times += history(rng, slow, DIRECT, 1, first=k)
+        policy.observe(_records(times))
     assert policy.decide(_context(_records(times), 14)).path == PARTNER
-    times += history(rng, fast, PARTNER, 3, first=14)
+    for k in range(14, 17):
+        times += history(rng, fast, PARTNER, 1, first=k)
+        policy.observe(_records(times))
     assert policy.decide(_context(_records(times), 17)).path == DIRECT
+
+
+def test_until_the_update_after_the_newest_checkpoint_lands_the_previous_decision_stands():
+    """The decision is a lookup: with no predictions made after the newest checkpoint it keeps the
+    previous path, says so, and shows the predictions it had; the update's landing moves it."""
+    rng = np.random.default_rng(5)
+    fast, slow = crossover() * 4, crossover() / 4
+    policy = ModelPolicy(min_checkpoints=4, refit_every=1000, background=False)
+    times = history(rng, fast, PARTNER, 10)
+    policy.observe(_records(times))
+    assert policy.decide(_context(_records(times), 11)).path == DIRECT
+    times += history(rng, slow, DIRECT, 3, first=11)  # finished, not yet observed
+    stale = policy.decide(_context(_records(times), 14))
+    assert stale.path == DIRECT and "previous decision (direct) stands" in stale.reason, stale.reason
+    assert "made after checkpoint 10" in stale.reason and stale.predictions is not None
+    policy.observe(_records(times))
+    assert policy.decide(_context(_records(times), 14)).path == PARTNER
+
+
+def test_the_update_runs_in_a_low_priority_process_and_its_cost_reaches_the_decision():
+    """The default update: a worker process at nice 19 and a bounded CPU share; the decision
+    names what the update cost (fit, state, prediction, CPU) and where it ran, and costs well
+    under a millisecond itself."""
+    rng = np.random.default_rng(4)
+    policy = ModelPolicy(min_checkpoints=4, cpu_share=0.5)
+    try:
+        records = _records(history(rng, crossover() * 3, PARTNER, 12))
+        policy.observe(records)
+        assert policy.wait(timeout=300)
+        decision = decide_path(policy, _context(records, 13))
+        assert decision.path == DIRECT and decision.cost is not None
+        update = decision.cost["update"]
+        assert update["where"] == "process" and update["pid"] != os.getpid() and update["nice"] == 19
+        assert update["after_checkpoint"] == 12 and update["refit"] is True and update["cpu_share"] == 0.5
+        assert update["fit_cpu_s"] > 0 and update["state_s"] > 0 and update["predict_s"] > 0
+        # the share: CPU over wall at most 0.5 (plus the pacer's granularity)
+        assert update["cpu_s"] <= 0.5 * update["wall_s"] + 0.05, update
+        assert decision.cost["when"] == "before the plan" and decision.cost["thread"] == "MainThread"
+        assert decision.cost["decide_s"] >= decision.cost["decide_cpu_s"] >= 0  # its size: docs/model.md
+        pid = update["pid"]
+    finally:
+        policy.close()
+    with pytest.raises(ProcessLookupError):  # closed: the worker is gone (and reaped)
+        os.kill(pid, 0)
+
+
+def test_a_worker_that_dies_costs_the_update_and_the_next_runs_in_a_thread(caplog):
+    rng = np.random.default_rng(4)
+    policy = ModelPolicy(min_checkpoints=4)
+    try:
+        records = _records(history(rng, crossover() * 3, PARTNER, 12))
+        policy.observe(records[:6])
+        assert policy.wait(timeout=300)
+        assert policy._process is not None and policy._process.pid is not None
+        os.kill(policy._process.pid, signal.SIGKILL)
+        policy._process._reader.join(60)  # type: ignore[union-attr]
+        assert "exited with status -9" in caplog.text and "a thread from now on" in caplog.text
+        policy.observe(records)
+        assert policy.wait(timeout=300)
+        decision = decide_path(policy, _context(records, 13))
+        assert decision.cost is not None and decision.cost["update"]["where"] == "thread"
+        assert decision.cost["update"]["after_checkpoint"] == 12
+    finally:
+        policy.close()
+
+
+def test_a_one_host_job_never_runs_the_model():
+    rng = np.random.default_rng(4)
+    policy = ModelPolicy(min_checkpoints=4)
+    records = _records(history(rng, crossover() * 3, PARTNER, 12))
+    one_host = PathContext(13, 2, ("a",), RANKS * SHARE, can_replicate=False, recent=tuple(records))
+    assert policy.decide(one_host).path == DIRECT
+    policy.observe(records)
+    assert policy._process is None and not policy.model.fits and policy.wait(0)
+
+
+def test_the_records_the_worker_reads_round_trip_through_json_bit_for_bit():
+    rng = np.random.default_rng(3)
+    for times in history(rng, crossover(), PARTNER, 3):
+        assert PathTimes.from_json(json.loads(json.dumps(times.to_json()))) == times
+    fit = shared_tier(24 * MB)
+    assert WriterFit.from_json(json.loads(json.dumps(fit.to_json()))) == fit
+    with pytest.raises(ConfigError, match="malformed"):
+        PathTimes.from_json({"checkpoint": 1})
+    with pytest.raises(ConfigError, match="family"):
+        WriterFit.from_json({**fit.to_json(), "family": "cauchy"})
 
 
 def test_cold_start_uses_the_rule_and_says_the_model_is_warming_up():
@@ -175,11 +269,14 @@ def test_a_tier_state_moves_the_prediction_as_the_formula_says():
 def test_a_background_refit_leaves_the_caller_at_once_and_lands_whole():
     rng = np.random.default_rng(4)
     policy = ModelPolicy(min_checkpoints=4)
-    records = _records(history(rng, crossover() * 3, PARTNER, 12))
-    policy.observe(records)  # returns before the fit is done (a thread of its own)
-    policy.wait(timeout=300)  # generous: it only runs out when the fit never lands
-    assert all(policy.model.ready(p) for p in (PARTNER, DIRECT))
-    assert policy.decide(_context(records, 13)).path == DIRECT
+    try:
+        records = _records(history(rng, crossover() * 3, PARTNER, 12))
+        policy.observe(records)  # returns before the fit is done (a process of its own)
+        assert policy.wait(timeout=300)  # generous: it only runs out when the fit never lands
+        assert all(policy.model.ready(p) for p in (PARTNER, DIRECT))
+        assert policy.decide(_context(records, 13)).path == DIRECT
+    finally:
+        policy.close()
 
 
 def test_the_predictions_made_ahead_are_the_ones_the_decision_would_make_itself():
@@ -198,3 +295,45 @@ def test_the_predictions_made_ahead_are_the_ones_the_decision_would_make_itself(
         now = policy.model.predict(path, 0.9, 3 * RANKS * SHARE, times[1:])
         assert ahead[path]["seconds"] == pytest.approx(now.seconds, rel=1e-6)
         assert ahead[path]["typical"] == pytest.approx(now.typical, rel=1e-6)
+
+
+_ORPHAN_PARENT = """
+import sys, numpy as np
+sys.path[:0] = [{tests!r}]
+from model.test_paths import history, crossover, _records, PARTNER
+from shoal.engine.path import ModelPolicy
+policy = ModelPolicy(min_checkpoints=4)
+policy.observe(_records(history(np.random.default_rng(4), crossover() * 3, PARTNER, 12)))
+assert policy.wait(300)
+print(policy._process.pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_worker_whose_coordinator_is_killed_exits_by_itself(tmp_path):
+    """SIGKILL the process that started the worker: its pipe ends, and the worker exits."""
+    import subprocess
+    import sys
+    import time
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_PARENT.format(tests=tests)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert parent.stdout is not None
+        worker = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.communicate()  # reaps it and closes its pipes
+    for _ in range(600):  # generous: it exits at once; only a worker that never exits runs this out
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return
+        if Path(f"/proc/{worker}/stat").read_text().split()[2] == "Z":
+            return  # exited, waiting for init to reap it
+        time.sleep(0.1)
+    os.kill(worker, signal.SIGKILL)
+    raise AssertionError(f"the worker {worker} outlived its killed coordinator by 60 s")

@@ -141,6 +141,7 @@ class GroupSave:
                 path=decision.path,
                 reason=decision.reason,
                 predictions=decision.predictions,
+                cost=decision.cost,
             )
             replicate = decision.path == PARTNER
             target = Boundary.REPLICATED if replicate else Boundary.PERSISTED

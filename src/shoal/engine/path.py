@@ -13,14 +13,18 @@ records can fit it (a rule until then).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from shoal.engine.path_worker import ModelWorker, Pacer, run_update
 from shoal.errors import ConfigError
 from shoal.model.paths import PathModel, PathPrediction, PathTimes
+from shoal.model.writers import WriterFit
 from shoal.records.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,9 @@ class PathDecision:
     reason: str
     predictions: Mapping[str, Any] | None = None
     """What a model predicted for each path (JSON-ready; the ``path`` event records it)."""
+    cost: Mapping[str, Any] | None = None
+    """What deciding cost (JSON-ready; the ``path`` event records it): :func:`decide_path` adds
+    the decision's own seconds and thread; a model policy the update its predictions came from."""
 
     def __post_init__(self) -> None:
         if self.path not in CHOICES:
@@ -123,15 +130,26 @@ class ModelPolicy:
     only when the other path is predicted at least ``margin`` (a fraction) sooner, so noise
     does not flip it checkpoint by checkpoint.
 
+    **Nothing of the model runs inside a save.** After each checkpoint (:meth:`observe`) an
+    update refits the writers when due (every ``refit_every`` checkpoints, and while a path has
+    no fit yet), estimates each tier's present state and predicts both paths for a checkpoint
+    like the newest one. With ``background`` (the default) the update runs in a process of its
+    own (:mod:`shoal.engine.path_worker`: ``nice 19``, at most ``cpu_share`` of one core), one at
+    a time; ``worker="thread"`` runs it in a thread instead (the coordinator's interpreter lock
+    is then shared with it), and ``background=False`` in :meth:`observe` itself. The decision
+    at plan time is a lookup: the newest update's predictions, scaled to this checkpoint's bytes
+    (exact: sizes enter the model as ``ln S``). Where the update after the newest checkpoint
+    has not landed yet, the previous decision stands, and its reason says so.
+
     Cold start: ``fallback`` (the rule ``"auto"``: partner across hosts) decides until each path
     has a fit from ``min_checkpoints`` checkpoints (the first checkpoint of the process, its
     warm-up, not counted). Every checkpoint drains, so the ``direct`` fit learns whichever path
     is taken; the ``partner`` fit learns during the cold start and whenever partner is chosen.
-    The fits are redone every ``refit_every`` checkpoints after one finishes (:meth:`observe`),
-    over the history the coordinator keeps (:class:`PathHistory`).
+    A job that cannot make partner copies (one host) never runs the model.
 
     The decision's reason names both predictions; ``PathDecision.predictions`` (the ``path``
-    event) holds them whole, and the ``path_observed`` event the times that followed.
+    event) holds them whole, ``PathDecision.cost`` what the decision and the update behind it
+    cost and where they ran, and the ``path_observed`` event the times that followed.
     """
 
     def __init__(
@@ -143,6 +161,8 @@ class ModelPolicy:
         margin: float = 0.05,
         fallback: PathPolicy | None = None,
         background: bool = True,
+        worker: str = "process",
+        cpu_share: float = 0.5,
     ) -> None:
         if not 0 < quantile < 1:
             raise ConfigError(f"ModelPolicy quantile must be in (0, 1), got {quantile!r}")
@@ -153,88 +173,182 @@ class ModelPolicy:
             )
         if not 0 <= margin < 1:
             raise ConfigError(f"ModelPolicy margin must be in [0, 1), got {margin!r}")
+        if worker not in ("process", "thread"):
+            raise ConfigError(f"ModelPolicy worker must be 'process' or 'thread', got {worker!r}")
+        if not 0 < cpu_share <= 1:
+            raise ConfigError(f"ModelPolicy cpu_share must be in (0, 1], got {cpu_share!r}")
         self.quantile = quantile
         self.margin = margin
         self.refit_every = refit_every
         self.fallback = fallback or RulePolicy("auto")
         self.model = PathModel(min_checkpoints=min_checkpoints)
         self.background = background
+        self.worker = worker
+        self.cpu_share = cpu_share
         self._since_fit = 0
         self._last: str | None = None
-        self._fitting: threading.Thread | None = None
+        self._replicable = True
         self._ahead: tuple[int, int, dict[str, PathPrediction]] | None = None
         """Predictions made after the newest checkpoint: its step, its bytes, each path's prediction."""
+        self._cost: dict[str, Any] | None = None
+        """What the newest update that landed cost, and where it ran."""
+        self._busy = threading.Condition()
+        self._pending = 0
+        """Updates submitted and not yet answered (0 or 1)."""
+        self._sequence = 0
+        self._process: ModelWorker | None = None
+        self._process_failed: str | None = None
+        self._thread_pacer: Pacer | None = None
 
     def decide(self, context: PathContext) -> PathDecision:
-        history = _evidence(context.recent)
-        if not context.can_replicate or not all(self.model.ready(p) for p in CHOICES):
+        self._replicable = context.can_replicate
+        ahead = self._ahead
+        if not context.can_replicate or ahead is None:
             rule = self.fallback.decide(context)
             if context.can_replicate:
-                return PathDecision(
-                    rule.path, f"{rule.reason} (the model is warming up: {len(history)} seen)"
-                )
+                seen = len(_evidence(context.recent))
+                return PathDecision(rule.path, f"{rule.reason} (the model is warming up: {seen} seen)")
             return rule
-        q = self.quantile
-        ahead = self._ahead
-        if ahead is not None and history and ahead[0] == history[-1].checkpoint and ahead[1] > 0:
-            factor = context.logical_bytes / ahead[1]
-            predictions = {p: v.scaled(factor) for p, v in ahead[2].items()}
-        else:  # none made ahead for the newest checkpoint (the first decision, an update running)
-            predictions = {p: self.model.predict(p, q, context.logical_bytes, history) for p in CHOICES}
-        path = min(CHOICES, key=lambda p: predictions[p].seconds)
+        at, nbytes, made = ahead
+        factor = context.logical_bytes / nbytes if nbytes > 0 and context.logical_bytes > 0 else 1.0
+        predictions = {p: v.scaled(factor) for p, v in made.items()}
+        newest = _newest_evidence(context.recent)
+        cost = None if self._cost is None else {"update": dict(self._cost)}
+        as_json = {p: v.to_json() for p, v in predictions.items()}
         last = self._last
+        if last is not None and newest is not None and newest != at:
+            reason = (
+                f"{_reason(self.quantile, predictions)} (made after checkpoint {at}); the update "
+                f"after checkpoint {newest} has not landed: the previous decision ({last}) stands"
+            )
+            return PathDecision(last, reason, as_json, cost)
+        path = min(CHOICES, key=lambda p: predictions[p].seconds)
         if last is not None and predictions[path].seconds > predictions[last].seconds * (1.0 - self.margin):
             path = last  # the other path is not sooner by the margin: keep this one
         self._last = path
-        return PathDecision(path, _reason(q, predictions), {p: v.to_json() for p, v in predictions.items()})
+        return PathDecision(path, _reason(self.quantile, predictions), as_json, cost)
 
     def observe(self, recent: Sequence[PathRecord]) -> None:
-        """After a checkpoint finished: refit when due (and while a path still has no fit), then
-        predict both paths for a checkpoint like this one.
-
-        With ``background`` (the default) this runs in a thread of its own, one at a time, and
-        the decisions go on with what there is: neither a fit (a fraction of a second to a few
-        seconds on a busy host) nor a prediction holds up the pipeline, so the next checkpoint's
-        B2. The next decision scales the predictions to its own bytes (exact: sizes enter the
-        model as ``ln S``); one that finds none made ahead for the newest checkpoint predicts itself.
-        """
+        """After a checkpoint finished: start the model's update (see the class), unless one is
+        still running (the decisions go on with what there is) or the job cannot replicate."""
         self._since_fit += 1
         history = _evidence(recent)
-        if not history or (self._fitting is not None and self._fitting.is_alive()):
-            return  # an update still running: the next decision predicts for itself
-        refit = self._since_fit >= self.refit_every or not all(self.model.ready(p) for p in CHOICES)
-        if refit:
-            self._since_fit = 0
-        if not self.background:
-            self._update(history, refit)
+        if not history or not self._replicable:
             return
-        self._fitting = threading.Thread(
-            target=self._update, args=(history, refit), name="shoal-path-model", daemon=True
-        )
-        self._fitting.start()
-
-    def _update(self, history: list[PathTimes], refit: bool) -> None:
-        try:
+        with self._busy:
+            if self._pending:
+                return  # an update still running: the next decisions keep the previous one
+            refit = self._since_fit >= self.refit_every or not all(self.model.ready(p) for p in CHOICES)
             if refit:
-                self.model.refit(history)
-            if all(self.model.ready(p) for p in CHOICES):
-                newest = history[-1]
-                predictions = {
-                    p: self.model.predict(p, self.quantile, newest.logical_bytes, history) for p in CHOICES
-                }
-                self._ahead = (newest.checkpoint, newest.logical_bytes, predictions)
-        except Exception:  # a failed update leaves the last fits in place; decisions predict inline
-            log.warning("the path model's update failed; the previous fits stay", exc_info=True)
+                self._since_fit = 0
+            self._pending = 1
+            self._sequence += 1
+            sequence = self._sequence
+        if not self.background:
+            self._run_here(history, refit, sequence, "inline")
+            return
+        if self.worker == "process" and self._process_failed is None:
+            try:
+                self._submit(history, refit, sequence)
+                return
+            except OSError as e:
+                self._worker_failed(f"cannot use a worker process ({e})")
+        threading.Thread(
+            target=self._run_here, args=(history, refit, sequence, "thread"), name="shoal-path-model",
+            daemon=True,
+        ).start()  # fmt: skip
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for a background update under way (tests, benchmarks)."""
-        if self._fitting is not None:
-            self._fitting.join(timeout)
+    def _submit(self, history: list[PathTimes], refit: bool, sequence: int) -> None:
+        if self._process is None:
+            process = ModelWorker(
+                min_checkpoints=self.model.min_checkpoints,
+                state_checkpoints=self.model.state_checkpoints,
+                cpu_share=self.cpu_share,
+                on_answer=self._answered,
+                on_exit=self._worker_exited,
+            )
+            process.start()
+            self._process = process
+        self._process.submit(
+            {
+                "id": sequence,
+                "refit": refit,
+                "quantile": self.quantile,
+                "history": [h.to_json() for h in history],
+            }
+        )
+
+    def _run_here(self, history: list[PathTimes], refit: bool, sequence: int, where: str) -> None:
+        """The update in this process (a thread, or :meth:`observe` itself)."""
+        answer: dict[str, Any] = {"id": sequence}
+        try:
+            if where == "thread" and self._thread_pacer is None:
+                self._thread_pacer = Pacer(self.cpu_share)
+            pacer = self._thread_pacer if where == "thread" else None
+            answer.update(run_update(self.model, history, refit=refit, quantile=self.quantile, pacer=pacer))
+            answer["cost"].update(where=where, thread=threading.current_thread().name)
+        except Exception:  # a failed update leaves the last fits in place
+            log.warning("the path model's update failed; the previous fits stay", exc_info=True)
+            answer["error"] = "failed (logged)"
+        self._answered(answer)
+
+    def _answered(self, answer: Mapping[str, Any]) -> None:
+        """An update's answer (any thread): the fits and the predictions ahead swap in whole."""
+        try:
+            if answer.get("error"):
+                if answer["error"] != "failed (logged)":
+                    log.warning("the path model's update failed; the previous fits stay: %s", answer["error"])
+                return
+            fits = {p: WriterFit.from_json(f) for p, f in answer["fits"].items()}
+            self.model.fits = {**self.model.fits, **fits}
+            ahead = answer.get("ahead")
+            if ahead is not None:
+                made = {p: PathPrediction.from_json(v) for p, v in ahead["predictions"].items()}
+                self._ahead = (int(ahead["checkpoint"]), int(ahead["logical_bytes"]), made)
+            self._cost = dict(answer["cost"])
+        except Exception:
+            log.warning("the path model's update answered nonsense; the previous fits stay", exc_info=True)
+        finally:
+            with self._busy:
+                if answer.get("id") == self._sequence:
+                    self._pending = 0
+                self._busy.notify_all()
+
+    def _worker_exited(self, message: str) -> None:
+        if message != "closed":
+            self._worker_failed(message)
+        with self._busy:
+            self._pending = 0  # an update lost with the worker: the next observe starts another
+            self._busy.notify_all()
+
+    def _worker_failed(self, message: str) -> None:
+        if self._process_failed is None:
+            log.warning("the path model's %s: its updates run in a thread from now on", message)
+        self._process_failed = message
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for an update under way (tests, benchmarks); False if it is still running."""
+        with self._busy:
+            return self._busy.wait_for(lambda: not self._pending, timeout)
+
+    def close(self) -> None:
+        """End the worker process, if one was started (the Checkpointer's close calls this)."""
+        process, self._process = self._process, None
+        if process is not None:
+            process.close()
 
 
 def _evidence(recent: Sequence[PathRecord]) -> list[PathTimes]:
     """The records a model learns from: finished checkpoints with times, the process's first left out."""
     return [r.times for r in recent[1:] if r.times is not None and not r.failed] if recent else []
+
+
+def _newest_evidence(recent: Sequence[PathRecord]) -> int | None:
+    """The newest checkpoint :func:`_evidence` would show the model (None: none)."""
+    for r in reversed(recent[1:]):
+        if r.times is not None and not r.failed:
+            return r.times.checkpoint
+    return None
 
 
 def _reason(q: float, predictions: Mapping[str, PathPrediction]) -> str:
@@ -272,14 +386,26 @@ def default_policy(path: str) -> PathPolicy:
 
 def decide_path(policy: PathPolicy, context: PathContext) -> PathDecision:
     """Ask ``policy``; a partner path where none is possible becomes direct, saying so."""
+    start, cpu = time.perf_counter(), time.thread_time()
     decision = policy.decide(context)
+    seconds, cpu_seconds = time.perf_counter() - start, time.thread_time() - cpu
     if not isinstance(decision, PathDecision):
         raise ConfigError(
             f"{type(policy).__name__}.decide returned {type(decision).__name__}, not a PathDecision"
         )
     if decision.path == PARTNER and not context.can_replicate:
-        return PathDecision(DIRECT, f"{decision.reason}; but no partner host is possible: direct")
-    return decision
+        decision = PathDecision(
+            DIRECT, f"{decision.reason}; but no partner host is possible: direct", decision.predictions,
+            decision.cost,
+        )  # fmt: skip
+    cost = {
+        **(decision.cost or {}),
+        "decide_s": seconds,
+        "decide_cpu_s": cpu_seconds,
+        "thread": threading.current_thread().name,
+        "when": "before the plan",
+    }
+    return dataclasses.replace(decision, cost=cost)
 
 
 __all__ = [

@@ -702,8 +702,10 @@ class Runtime:
                 limit,
             )
             self._stop_metrics()
+            self._close_policy()
             return
         self._stop_metrics()
+        self._close_policy()
         if self._warmer is not None:
             self._warmer.join()
         # Every checkpoint is finished: this process's staged copies are redundant, give /dev/shm
@@ -715,6 +717,15 @@ class Runtime:
         for tier in (self.shared, self.dram):
             tier.close()
         self._host_lock.release()
+
+    def _close_policy(self) -> None:
+        """The path policy's own resources (the model's worker process), if it has a ``close``."""
+        close = getattr(self.path_policy, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:  # closing never fails on a policy's bookkeeping
+                log.warning("the path policy's close failed", exc_info=True)
 
     def __del__(self) -> None:
         lock = getattr(self, "_host_lock", None)

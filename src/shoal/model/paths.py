@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.errors import ConfigError
-from shoal.model.writers import WriterFit, WriterSample, estimate_state, fit_writers
+from shoal.model.writers import TierState, WriterFit, WriterSample, estimate_state, fit_writers
 
 __all__ = ["PATHS", "PathModel", "PathPrediction", "PathTimes"]
 
@@ -87,6 +88,46 @@ class PathTimes:
             checkpoint, path, logical_bytes, pre, b2, drain_begin, b3, writers(drains), writers(copies)
         )
 
+    def to_json(self) -> dict[str, Any]:
+        """The record as plain JSON values (writers as ``[bytes, seconds, writers, t]``)."""
+        return {
+            "checkpoint": self.checkpoint,
+            "path": self.path,
+            "logical_bytes": self.logical_bytes,
+            "pre": self.pre,
+            "b2": self.b2,
+            "drain_begin": self.drain_begin,
+            "b3": self.b3,
+            "drain": [[s.nbytes, s.seconds, s.writers, s.t] for s in self.drain],
+            "replicas": [[s.nbytes, s.seconds, s.writers, s.t] for s in self.replicas],
+        }
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> PathTimes:
+        """A record from :meth:`to_json`'s object; :class:`~shoal.errors.ConfigError` says what is wrong."""
+        try:
+            checkpoint = int(value["checkpoint"])
+
+            def writers(rows: Sequence[Sequence[Any]]) -> tuple[WriterSample, ...]:
+                return tuple(
+                    WriterSample(checkpoint, int(b), float(t), int(n), float(at)) for b, t, n, at in rows
+                )
+
+            b3 = value["b3"]
+            return cls(
+                checkpoint,
+                str(value["path"]),
+                int(value["logical_bytes"]),
+                float(value["pre"]),
+                float(value["b2"]),
+                float(value["drain_begin"]),
+                None if b3 is None else float(b3),
+                writers(value["drain"]),
+                writers(value["replicas"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"a checkpoint's path record is malformed ({e!r})") from e
+
     def overhead(self, path: str) -> float | None:
         """Seconds to ``path``'s B2 beyond ``pre`` and its slowest writer, as this checkpoint showed them.
 
@@ -132,6 +173,7 @@ class PathPrediction:
 
     def to_json(self) -> dict[str, float | int | str]:
         return {
+            "path": self.path,
             "q": self.q,
             "seconds": self.seconds,
             "typical": self.typical,
@@ -142,6 +184,24 @@ class PathPrediction:
             "family": self.family,
         }
 
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> PathPrediction:
+        """A prediction from :meth:`to_json`'s object (:class:`~shoal.errors.ConfigError`: malformed)."""
+        try:
+            return cls(
+                str(value["path"]),
+                float(value["q"]),
+                float(value["seconds"]),
+                float(value["typical"]),
+                float(value["pre"]),
+                float(value["overhead"]),
+                int(value["writers"]),
+                float(value["b_shared"]),
+                str(value["family"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"a path prediction's JSON is malformed ({e!r}): {dict(value)!r}") from e
+
 
 @dataclass
 class PathModel:
@@ -149,11 +209,14 @@ class PathModel:
 
     ``state_checkpoints``: how many of the newest checkpoints set the tier's present state.
     ``min_checkpoints``: checkpoints with writers a path's fit needs before it predicts.
+    ``pace``: called before every evaluation of a likelihood in a fit or a state estimate (a
+    caller that bounds the model's CPU share sleeps there); None: never.
     """
 
     state_checkpoints: int = 3
     min_checkpoints: int = 4
     fits: dict[str, WriterFit] = field(default_factory=dict)
+    pace: Callable[[], None] | None = None
 
     def refit(self, history: Sequence[PathTimes]) -> None:
         """Fit each path's writers to ``history`` (oldest first); a path with too few keeps its fit."""
@@ -161,23 +224,33 @@ class PathModel:
         for path in PATHS:
             samples = _samples(history, path)
             if len({s.checkpoint for s in samples}) >= self.min_checkpoints:
-                fits[path] = _fit(samples)
+                fits[path] = _fit(samples, self.pace)
         self.fits = fits  # one swap: a reader in another thread sees the old fits or the new ones
 
     def ready(self, path: str) -> bool:
         return path in self.fits
 
-    def predict(
-        self, path: str, q: float, logical_bytes: int, history: Sequence[PathTimes]
-    ) -> PathPrediction:
-        """``path``'s ``q`` quantile of time to B2 for a checkpoint of ``logical_bytes``, now."""
-        if path not in self.fits:
-            raise ConfigError(f"no writer fit for the {path} path yet: too few checkpoints")
-        fit = self.fits[path]
+    def tier_state(self, path: str, history: Sequence[PathTimes]) -> TierState:
+        """``path``'s tier state now: ``b_shared`` refitted over its newest ``state_checkpoints``."""
+        fit = self._fit_of(path)
         samples = _samples(history, path)
         newest = sorted({s.checkpoint for s in samples})[-self.state_checkpoints :]
         recent = [s for s in samples if s.checkpoint in newest]
-        state = estimate_state(fit, recent) if recent else fit.state()
+        return estimate_state(fit, recent, pace=self.pace) if recent else fit.state()
+
+    def predict(
+        self,
+        path: str,
+        q: float,
+        logical_bytes: int,
+        history: Sequence[PathTimes],
+        state: TierState | None = None,
+    ) -> PathPrediction:
+        """``path``'s ``q`` quantile of time to B2 for a checkpoint of ``logical_bytes``, now
+        (the tier in ``state``; None: :meth:`tier_state` from ``history``)."""
+        fit = self._fit_of(path)
+        if state is None:
+            state = self.tier_state(path, history)
         sizes = _sizes(history, path, logical_bytes)
         pre = _median([h.pre for h in history[-8:]])
         overhead = _median([o for h in history if (o := h.overhead(path)) is not None][-8:])
@@ -188,23 +261,29 @@ class PathModel:
             len(sizes), state.b_shared, fit.family,
         )  # fmt: skip
 
+    def _fit_of(self, path: str) -> WriterFit:
+        fit = self.fits.get(path)
+        if fit is None:
+            raise ConfigError(f"no writer fit for the {path} path yet: too few checkpoints")
+        return fit
+
 
 SAME_FAMILIES_SIGMA = 0.05
 """Below this spread of one writer (lognormal ``sigma``, about its CV), gamma and lognormal writers
 are the same distribution to within the data's resolution: the gamma fit is skipped."""
 
 
-def _fit(samples: list[WriterSample]) -> WriterFit:
+def _fit(samples: list[WriterSample], pace: Callable[[], None] | None = None) -> WriterFit:
     """Lognormal writers, or gamma ones where they fit better by BIC.
 
     Where the writers barely vary (a job's own fabric: sigma 0.01 and tau 0.001 were measured) the
     two families cannot be told apart, and the gamma likelihood's fit grows slow (5 s for 27
     writers here, against 0.05 s): only the lognormal one is made (``SAME_FAMILIES_SIGMA``).
     """
-    lognormal = fit_writers(samples, "lognormal")
+    lognormal = fit_writers(samples, "lognormal", pace=pace)
     if lognormal.sigma < SAME_FAMILIES_SIGMA:
         return lognormal
-    return min((lognormal, fit_writers(samples, "gamma")), key=lambda f: f.bic)
+    return min((lognormal, fit_writers(samples, "gamma", pace=pace)), key=lambda f: f.bic)
 
 
 def _samples(history: Sequence[PathTimes], path: str) -> list[WriterSample]:

@@ -235,7 +235,11 @@ def _starts(d: _Data) -> list[np.ndarray]:
 
 
 def fit_writers(
-    samples: Sequence[WriterSample], family: str = "lognormal", *, latency: bool = False
+    samples: Sequence[WriterSample],
+    family: str = "lognormal",
+    *,
+    latency: bool = False,
+    pace: Callable[[], None] | None = None,
 ) -> WriterFit:
     """Fit ``b_client``, ``b_shared``, ``sigma`` and ``tau`` to ``samples`` by maximum likelihood.
 
@@ -245,8 +249,9 @@ def fit_writers(
     bounds nothing). With ``latency`` a fixed cost per write is fitted too (``T = (latency +
     S / b_eff) e^(g + e)``: the request's round trips and the store's own handling of an
     object, which bytes alone do not explain); it needs several sizes or writer counts to be
-    told from the rates. Raises :class:`~shoal.errors.ConfigError` for an unknown family or bad
-    samples.
+    told from the rates. ``pace``, when given, is called before every evaluation of the
+    likelihood (a caller that bounds the fit's CPU share sleeps there). Raises
+    :class:`~shoal.errors.ConfigError` for an unknown family or bad samples.
     """
     if family not in _LOGLIK:
         raise ConfigError(f"family must be one of {FAMILIES}, got {family!r}")
@@ -254,6 +259,8 @@ def fit_writers(
     loglik = _LOGLIK[family]
 
     def neg(theta: np.ndarray) -> float:
+        if pace is not None:
+            pace()
         values = np.exp(np.clip(theta, -60.0, 60.0))
         b_client, b_shared, sigma, tau = values[:4]
         lat = float(values[4]) if len(values) > 4 else 0.0
@@ -276,20 +283,24 @@ def fit_writers(
     return WriterFit(family, b_client, b_shared, sigma, tau, -float(best.fun), len(d.seconds), lat, params)
 
 
-def estimate_state(fit: WriterFit, recent: Sequence[WriterSample]) -> TierState:
+def estimate_state(
+    fit: WriterFit, recent: Sequence[WriterSample], *, pace: Callable[[], None] | None = None
+) -> TierState:
     """The tier's state now, from a job's own ``recent`` records: ``b_shared`` refitted alone.
 
     ``b_client``, ``sigma`` and ``tau`` stay as ``fit`` has them (they describe the writers and the
     tier's variability, which change slowly); ``b_shared`` is what other tenants' load moves, and
     is refitted by maximum likelihood over the recent checkpoints. Where no recent writer was
     bound by the tier's share (``b_client < b_shared / N`` for every one of them) the records say
-    nothing about it, and ``fit``'s own ``b_shared`` stands.
+    nothing about it, and ``fit``'s own ``b_shared`` stands. ``pace``: as :func:`fit_writers`'s.
     """
     d = _Data.of(recent)  # ConfigError for no records or bad ones
     loglik = _LOGLIK[fit.family]
     shares = fit.b_client * d.writers  # the tier binds a writer only while b_shared < b_client * N
 
     def neg(log_b: float) -> float:
+        if pace is not None:
+            pace()
         m = _m(d.nbytes, d.writers, fit.b_client, math.exp(log_b), fit.latency)
         value = loglik(d, m, fit.sigma, fit.tau)
         return -value if math.isfinite(value) else 1e300
@@ -499,6 +510,41 @@ class WriterFit:
     """A fixed cost per write, seconds (0: none fitted): ``T = (latency + S / b_eff) e^(g + e)``."""
     n_params: int = 4
     """Parameters fitted (5 with a latency), for the BIC."""
+
+    def to_json(self) -> dict[str, float | int | str]:
+        """The fit as plain JSON values (:meth:`from_json` reads it back, bit for bit)."""
+        return {
+            "family": self.family,
+            "b_client": self.b_client,
+            "b_shared": self.b_shared,
+            "sigma": self.sigma,
+            "tau": self.tau,
+            "loglik": self.loglik,
+            "n": self.n,
+            "latency": self.latency,
+            "n_params": self.n_params,
+        }
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> WriterFit:
+        """A fit from :meth:`to_json`'s object; :class:`~shoal.errors.ConfigError` says what is wrong."""
+        try:
+            fit = cls(
+                str(value["family"]),
+                float(value["b_client"]),
+                float(value["b_shared"]),
+                float(value["sigma"]),
+                float(value["tau"]),
+                float(value["loglik"]),
+                int(value["n"]),
+                float(value["latency"]),
+                int(value["n_params"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"a writer fit's JSON is malformed ({e!r}): {dict(value)!r}") from e
+        if fit.family not in FAMILIES:
+            raise ConfigError(f"a writer fit's family must be one of {FAMILIES}, got {fit.family!r}")
+        return fit
 
     @property
     def bic(self) -> float:
