@@ -15,6 +15,16 @@ from the same seed for each, so the three see the same storage. What is reported
   (:func:`shoal.model.exposure.exposure_timeline` over each job's saves), per policy, over the
   same span of saves.
 
+* **what deciding cost**: from ``auto``'s ``path`` events, the decision's own seconds at plan
+  time (mean and max) and the model updates behind them (CPU seconds of a refit and of an
+  update without one, and where they ran).
+
+``--sweep rates`` runs the map again at other link rates and shard sizes, one factor at a time
+around the base (``--host-storage-mbit``, ``--fabric-mbit``, ``--storage-mbit``, ``--shard-mib``):
+the fabric at half and 2.5 times its rate, the storage side (each host's link and the aggregate
+together) at half and twice, the shard at half and twice its size; each rate point on a cluster
+of its own, its regimes named for it. ``--hosts`` and ``--tenants`` pick the map's cells.
+
 The model never sees the regime: it learns from the job's own checkpoints only (the harness's
 knobs label the rows). ``--out`` keeps the raw results; ``--from`` re-reports them; ``--plot``
 draws the map and the CoV. Needs root. Usage:
@@ -31,7 +41,7 @@ import shutil
 import statistics
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from shoal.model.exposure import CheckpointTimes, exposure_timeline
@@ -53,14 +63,44 @@ class Regime:
     """Background writers of the other tenant (on the host after the job's), putting without pause."""
     weather: int | None = None
     """Seed of the storage link's random-walk weather; None: the link keeps its rate."""
+    shard_mib: float | None = None
+    """Each rank's optimizer shard; None: ``--shard-mib``."""
 
 
-MAP = tuple(
-    Regime(f"N={n} {load}", n, tenants)
-    for load, tenants in (("quiet", 0), ("1 tenant", 1), ("3 tenants", 3))
-    for n in (2, 3, 4)
-)
+LOADS = (("quiet", 0), ("1 tenant", 1), ("3 tenants", 3))
+MAP = tuple(Regime(f"N={n} {load}", n, tenants) for load, tenants in LOADS for n in (2, 3, 4))
 CONTENDED = (Regime("N=3 3 tenants + weather", 3, 3, weather=7),)
+
+
+@dataclass(frozen=True)
+class RatePoint:
+    """Link rates (Mbit/s) and a shard size (MiB) the sweep runs the map's cells at."""
+
+    host_storage_mbit: float
+    fabric_mbit: float
+    storage_mbit: float
+    shard_mib: float
+
+    @property
+    def label(self) -> str:
+        return (
+            f"F{self.fabric_mbit:g} S{self.host_storage_mbit:g}/{self.storage_mbit:g} {self.shard_mib:g}MiB"
+        )
+
+
+def rate_points(base: RatePoint) -> list[RatePoint]:
+    """The base, then one factor at a time: the fabric x0.5 and x2.5, the storage side (each
+    host's link and the aggregate) x0.5 and x2, the shard x0.5 and x2."""
+    b = base
+    return [
+        b,
+        RatePoint(b.host_storage_mbit, b.fabric_mbit * 0.5, b.storage_mbit, b.shard_mib),
+        RatePoint(b.host_storage_mbit, b.fabric_mbit * 2.5, b.storage_mbit, b.shard_mib),
+        RatePoint(b.host_storage_mbit * 0.5, b.fabric_mbit, b.storage_mbit * 0.5, b.shard_mib),
+        RatePoint(b.host_storage_mbit * 2, b.fabric_mbit, b.storage_mbit * 2, b.shard_mib),
+        RatePoint(b.host_storage_mbit, b.fabric_mbit, b.storage_mbit, b.shard_mib * 0.5),
+        RatePoint(b.host_storage_mbit, b.fabric_mbit, b.storage_mbit, b.shard_mib * 2),
+    ]
 
 
 def _run_regime(cluster: Cluster, regime: Regime, args: argparse.Namespace, root: str) -> dict[str, Any]:
@@ -78,7 +118,7 @@ def _run_regime(cluster: Cluster, regime: Regime, args: argparse.Namespace, root
             "saves": saves,
             "interval": args.interval,
             "model_mib": args.model_mib,
-            "shard_mib": args.shard_mib,
+            "shard_mib": args.shard_mib if regime.shard_mib is None else regime.shard_mib,
         }
         loads = (
             [BackgroundLoad(cluster, cluster.spec.hosts - 1, writers=regime.tenants)]
@@ -134,6 +174,32 @@ def _exposure(run: dict[str, Any], saves: list[dict[str, Any]]) -> dict[str, flo
     return {c: timeline[c].mean_seconds for c in ("host", "cluster")}
 
 
+def decision_costs(run: dict[str, Any], saves: list[dict[str, Any]]) -> dict[str, Any]:
+    """What deciding cost over the counted saves (from rank 0's ``path`` events): the decision's
+    own seconds, and the CPU seconds of the updates behind the decisions, with and without a refit."""
+    costs = run.get("costs") or {}
+    steps = [costs[str(s["step"])] for s in saves if costs.get(str(s["step"]))]
+    if not steps:
+        return {}
+    decide = [c["decide_s"] for c in steps]
+    updates = {}
+    for c in steps:  # one update can stand behind several decisions: count it once
+        u = c.get("update")
+        if u:
+            updates[u["after_checkpoint"]] = u
+    refits = [u["cpu_s"] for u in updates.values() if u["refit"]]
+    plain = [u["cpu_s"] for u in updates.values() if not u["refit"]]
+    return {
+        "decide_mean_s": statistics.fmean(decide),
+        "decide_max_s": max(decide),
+        "refit_cpu_s": statistics.fmean(refits) if refits else None,
+        "update_cpu_s": statistics.fmean(plain) if plain else None,
+        "update_wall_s": statistics.fmean(u["wall_s"] for u in updates.values()) if updates else None,
+        "where": sorted({str(u.get("where")) for u in updates.values()}),
+        "stale": sum("has not landed" in (s.get("reason") or "") for s in saves),
+    }
+
+
 def summarize(results: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
     """One row per regime: each policy's B2/B3 statistics and exposure, the winner, auto's choices."""
     rows = []
@@ -150,6 +216,7 @@ def summarize(results: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]
         p = row["policies"]
         winner = min(("direct", "partner"), key=lambda k: p[k]["b2"]["mean"])
         auto = p["auto"]
+        row["cost"] = decision_costs(r["policies"]["auto"], _counted(r["policies"]["auto"], "auto", warmup))
         row["winner"] = winner
         row["auto_picks_winner"] = sum(x == winner for x in auto["paths"]) / max(1, len(auto["paths"]))
         row["auto_vs_best"] = auto["b2"]["mean"] / p[winner]["b2"]["mean"]
@@ -179,6 +246,28 @@ def _print(rows: list[dict[str, Any]]) -> None:
         print(
             f"| {row['regime']} | {row['winner']} | {row['auto_picks_winner']:.0%} | "
             f"{row['auto_vs_best']:.3f} | {ratio:.1f}x |"
+        )
+    print()
+    print(
+        "| regime | auto's p90 / the better path's | CoV auto / the better path's | decision mean ms | "
+        "max ms | update CPU s: refit | without | update wall s | stale decisions | where |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for row in rows:
+        p, c = row["policies"], row.get("cost") or {}
+        best, auto = p[row["winner"]]["b2"], p["auto"]["b2"]
+
+        def ms(v: float | None) -> str:
+            return "" if v is None else f"{v * 1e3:.3f}"
+
+        def sec(v: float | None) -> str:
+            return "" if v is None else f"{v:.3f}"
+
+        print(
+            f"| {row['regime']} | {auto['p90'] / best['p90']:.3f} | {auto['cov'] / best['cov']:.3f} | "
+            f"{ms(c.get('decide_mean_s'))} | {ms(c.get('decide_max_s'))} | {sec(c.get('refit_cpu_s'))} | "
+            f"{sec(c.get('update_cpu_s'))} | {sec(c.get('update_wall_s'))} | {c.get('stale', '')} | "
+            f"{', '.join(c.get('where', []))} |"
         )
 
 
@@ -222,6 +311,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--job-cpus", default=None, help="CPUs (comma-separated) for the job's ranks, e.g. 0")
     ap.add_argument("--regimes", default="map,contended", help="map, contended, or both (comma-separated)")
+    ap.add_argument(
+        "--sweep",
+        choices=("none", "rates"),
+        default="none",
+        help="rates: the map's cells again at other link rates and shard sizes (one factor at a time)",
+    )
+    ap.add_argument("--hosts", default="2,3,4", help="the map's host counts (comma-separated)")
+    ap.add_argument("--tenants", default="0,1,3", help="the map's tenant counts (comma-separated)")
     ap.add_argument("--only", default=None, help="run only regimes whose name contains this")
     ap.add_argument("--out", default=None, help="write the raw results here (JSON)")
     ap.add_argument("--from", dest="source", default=None, help="report results saved with --out")
@@ -240,12 +337,18 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             print(f"cannot run the emulated cluster: {why}", file=sys.stderr)
             return 2
+        hosts = {int(h) for h in args.hosts.split(",")}
+        tenants = {int(t) for t in args.tenants.split(",")}
         regimes = [r for k in args.regimes.split(",") for r in {"map": MAP, "contended": CONTENDED}[k]]
+        regimes = [r for r in regimes if r.hosts in hosts and (r.tenants in tenants or r.weather is not None)]
         regimes = [r for r in regimes if args.only is None or args.only in r.name]
-        results = _sweep(args, regimes)
-        if args.out:
-            with open(args.out, "w", encoding="utf-8") as f:
-                json.dump({"args": vars(args), "warmup": args.warmup, "results": results}, f)
+        results: list[dict[str, Any]] = []  # saved after every regime: a long sweep stopped early keeps them
+        if args.sweep == "rates":
+            base = RatePoint(args.host_storage_mbit, args.fabric_mbit, args.storage_mbit, args.shard_mib)
+            for point in rate_points(base):
+                _sweep(args, regimes, results, point)
+        else:
+            _sweep(args, regimes, results)
     rows = summarize(results, args.warmup)
     _print(rows)
     if args.plot:
@@ -257,12 +360,23 @@ def _cpus(text: str | None) -> tuple[int, ...] | None:
     return None if text is None else tuple(int(c) for c in text.split(","))
 
 
-def _sweep(args: argparse.Namespace, regimes: list[Regime]) -> list[dict[str, Any]]:
+def _sweep(
+    args: argparse.Namespace,
+    regimes: list[Regime],
+    results: list[dict[str, Any]],
+    point: RatePoint | None = None,
+) -> None:
+    """``regimes`` on one cluster, at ``point``'s rates and shard size (None: the arguments'), each
+    one's results appended to ``results`` and saved to ``--out`` as it ends."""
+    out_path, given = args.out, dict(vars(args))
     hosts = max(r.hosts for r in regimes) + 1  # the last host is the other tenant's
+    if point is not None:
+        regimes = [replace(r, name=f"{point.label} {r.name}", shard_mib=point.shard_mib) for r in regimes]
+        args = argparse.Namespace(**{**vars(args), "storage_mbit": point.storage_mbit})  # the weather's top
     spec = ClusterSpec(
         hosts=hosts,
-        host_storage_mbit=args.host_storage_mbit,
-        fabric_mbit=args.fabric_mbit,
+        host_storage_mbit=args.host_storage_mbit if point is None else point.host_storage_mbit,
+        fabric_mbit=args.fabric_mbit if point is None else point.fabric_mbit,
         storage_mbit=args.storage_mbit,
         storage_cpus=_cpus(args.storage_cpus),
         job_cpus=_cpus(args.job_cpus),
@@ -270,7 +384,13 @@ def _sweep(args: argparse.Namespace, regimes: list[Regime]) -> list[dict[str, An
     root = tempfile.mkdtemp(prefix="shoal-paths-")
     try:
         with Cluster(spec) as cluster:
-            return [_run_regime(cluster, r, args, root) for r in regimes]
+            for r in regimes:
+                results.append(_run_regime(cluster, r, args, root))
+                if point is not None:
+                    results[-1]["rates"] = asdict(point)
+                if out_path:
+                    with open(out_path, "w", encoding="utf-8") as f:
+                        json.dump({"args": given, "warmup": args.warmup, "results": results}, f)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -12,7 +12,7 @@ job that checkpoints at a steady interval.
 
 Every rank returns, per save: when it was called (the machine's monotonic clock, the same in
 every namespace), its seconds to each boundary, the path taken and why; rank 0 also the
-predictions of every ``path`` event its event log holds.
+predictions and the cost of every ``path`` event its event log holds.
 """
 
 from __future__ import annotations
@@ -97,4 +97,5 @@ def path_run(
             out["predictions"] = {
                 str(e.step): e.get("predictions") for e in decided if e.rank == 0 and e.get("predictions")
             }
+            out["costs"] = {str(e.step): e.get("cost") for e in decided if e.rank == 0 and e.get("cost")}
     return out
