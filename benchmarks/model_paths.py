@@ -49,6 +49,10 @@ from shoal.testing.cluster.hosts import Cluster, ClusterSpec, cannot_run
 from shoal.testing.cluster.load import BackgroundLoad, Weather, set_storage_rate
 
 POLICIES = ("direct", "partner", "auto")
+MODELS = ("auto", "auto-thread")
+"""The model's policies: ``auto`` (its updates in a worker process, the default) and ``auto-thread``
+(``ModelPolicy(worker="thread")``: its updates in a thread of the coordinator, as before the
+worker process; ``--policies`` adds it, to compare the two)."""
 SCENARIO = "shoal.testing.bench.model_paths:path_run"
 MIB = 1 << 20
 
@@ -106,8 +110,8 @@ def rate_points(base: RatePoint) -> list[RatePoint]:
 def _run_regime(cluster: Cluster, regime: Regime, args: argparse.Namespace, root: str) -> dict[str, Any]:
     """The three policies' jobs in one regime, one after another, each under the same load."""
     out: dict[str, Any] = {"regime": asdict(regime), "policies": {}}
-    for policy in POLICIES:
-        saves = args.saves + (args.warmup if policy == "auto" else 0)
+    for policy in args.policies.split(","):
+        saves = args.saves + (args.warmup if policy in MODELS else 0)
         job = f"{policy}-{secrets.token_hex(3)}"
         run_args = {
             "bucket": "paths",
@@ -157,7 +161,7 @@ def _stats(xs: list[float]) -> dict[str, float]:
 def _counted(run: dict[str, Any], policy: str, warmup: int) -> list[dict[str, Any]]:
     """The saves that count: every one that reached B4, ``auto``'s after its cold start."""
     saves = [s for s in run["saves"] if not s["skipped"] and "4" in s["times"]]
-    return saves[warmup:] if policy == "auto" else saves
+    return saves[warmup:] if policy in MODELS else saves
 
 
 def _exposure(run: dict[str, Any], saves: list[dict[str, Any]]) -> dict[str, float]:
@@ -201,10 +205,12 @@ def decision_costs(run: dict[str, Any], saves: list[dict[str, Any]]) -> dict[str
 
 
 def summarize(results: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
-    """One row per regime: each policy's B2/B3 statistics and exposure, the winner, auto's choices."""
+    """One row per regime: each policy's B2/B3 statistics and exposure, the winner, and per model
+    policy (``auto``, ``auto-thread``) how often it chose the winner, its B2 against the winner's
+    and what deciding cost."""
     rows = []
     for r in results:
-        row: dict[str, Any] = {"regime": r["regime"]["name"], "policies": {}}
+        row: dict[str, Any] = {"regime": r["regime"]["name"], "policies": {}, "models": {}}
         for policy, run in r["policies"].items():
             saves = _counted(run, policy, warmup)
             row["policies"][policy] = {
@@ -214,12 +220,19 @@ def summarize(results: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]
                 "paths": [s["path"] for s in saves],
             }
         p = row["policies"]
-        winner = min(("direct", "partner"), key=lambda k: p[k]["b2"]["mean"])
-        auto = p["auto"]
-        row["cost"] = decision_costs(r["policies"]["auto"], _counted(r["policies"]["auto"], "auto", warmup))
-        row["winner"] = winner
-        row["auto_picks_winner"] = sum(x == winner for x in auto["paths"]) / max(1, len(auto["paths"]))
-        row["auto_vs_best"] = auto["b2"]["mean"] / p[winner]["b2"]["mean"]
+        winner = row["winner"] = min(("direct", "partner"), key=lambda k: p[k]["b2"]["mean"])
+        best = p[winner]["b2"]
+        for model in (m for m in MODELS if m in p):
+            b2, paths = p[model]["b2"], p[model]["paths"]
+            row["models"][model] = {
+                "picks_winner": sum(x == winner for x in paths) / max(1, len(paths)),
+                "mean_vs_best": b2["mean"] / best["mean"],
+                "p90_vs_best": b2["p90"] / best["p90"],
+                "cov_vs_best": b2["cov"] / best["cov"] if best["cov"] else float("inf"),
+                "cost": decision_costs(r["policies"][model], _counted(r["policies"][model], model, warmup)),
+            }
+        row["auto_picks_winner"] = row["models"]["auto"]["picks_winner"]
+        row["auto_vs_best"] = row["models"]["auto"]["mean_vs_best"]
         rows.append(row)
     return rows
 
@@ -237,38 +250,40 @@ def _print(rows: list[dict[str, Any]]) -> None:
             )
     print()
     print(
-        "| regime | sooner to B2 | auto picks it | auto's mean B2 / the better path's | CoV direct / auto |"
+        "| regime | sooner to B2 | model | picks it | mean B2 / the better path's | p90 / its | CoV / its | "
+        "CoV direct / model |"
     )
-    print("|---|---|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for row in rows:
         p = row["policies"]
-        ratio = p["direct"]["b2"]["cov"] / p["auto"]["b2"]["cov"] if p["auto"]["b2"]["cov"] else float("inf")
-        print(
-            f"| {row['regime']} | {row['winner']} | {row['auto_picks_winner']:.0%} | "
-            f"{row['auto_vs_best']:.3f} | {ratio:.1f}x |"
-        )
+        for model, m in row["models"].items():
+            cov = p[model]["b2"]["cov"]
+            ratio = p["direct"]["b2"]["cov"] / cov if cov else float("inf")
+            print(
+                f"| {row['regime']} | {row['winner']} | {model} | {m['picks_winner']:.0%} | "
+                f"{m['mean_vs_best']:.3f} | {m['p90_vs_best']:.3f} | {m['cov_vs_best']:.3f} | {ratio:.1f}x |"
+            )
     print()
     print(
-        "| regime | auto's p90 / the better path's | CoV auto / the better path's | decision mean ms | "
-        "max ms | update CPU s: refit | without | update wall s | stale decisions | where |"
+        "| regime | model | decision mean ms | max ms | update CPU s: refit | without | update wall s | "
+        "stale decisions | where |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+
+    def ms(v: float | None) -> str:
+        return "" if v is None else f"{v * 1e3:.3f}"
+
+    def sec(v: float | None) -> str:
+        return "" if v is None else f"{v:.3f}"
+
     for row in rows:
-        p, c = row["policies"], row.get("cost") or {}
-        best, auto = p[row["winner"]]["b2"], p["auto"]["b2"]
-
-        def ms(v: float | None) -> str:
-            return "" if v is None else f"{v * 1e3:.3f}"
-
-        def sec(v: float | None) -> str:
-            return "" if v is None else f"{v:.3f}"
-
-        print(
-            f"| {row['regime']} | {auto['p90'] / best['p90']:.3f} | {auto['cov'] / best['cov']:.3f} | "
-            f"{ms(c.get('decide_mean_s'))} | {ms(c.get('decide_max_s'))} | {sec(c.get('refit_cpu_s'))} | "
-            f"{sec(c.get('update_cpu_s'))} | {sec(c.get('update_wall_s'))} | {c.get('stale', '')} | "
-            f"{', '.join(c.get('where', []))} |"
-        )
+        for model, m in row["models"].items():
+            c = m["cost"]
+            print(
+                f"| {row['regime']} | {model} | {ms(c.get('decide_mean_s'))} | {ms(c.get('decide_max_s'))} | "
+                f"{sec(c.get('refit_cpu_s'))} | {sec(c.get('update_cpu_s'))} | "
+                f"{sec(c.get('update_wall_s'))} | {c.get('stale', '')} | {', '.join(c.get('where', []))} |"
+            )
 
 
 def _plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -280,7 +295,7 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     names = [r["regime"] for r in rows]
     x = range(len(rows))
-    for k, policy in enumerate(POLICIES):
+    for k, policy in enumerate(POLICIES):  # the three of every run
         means = [r["policies"][policy]["b2"]["mean"] for r in rows]
         covs = [r["policies"][policy]["b2"]["cov"] for r in rows]
         ax1.bar([i + (k - 1) * 0.27 for i in x], means, 0.27, label=policy)
@@ -297,6 +312,11 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--saves", type=int, default=10, help="timed saves per policy and regime")
+    ap.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated, of direct, partner, auto, auto-thread (direct, partner and auto always)",
+    )
     ap.add_argument("--warmup", type=int, default=6, help="auto's extra first saves (its cold start)")
     ap.add_argument("--interval", type=float, default=2.5, help="seconds between save calls")
     ap.add_argument("--model-mib", type=int, default=1)

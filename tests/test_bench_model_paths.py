@@ -63,3 +63,33 @@ def test_decision_costs_count_each_update_once_and_the_stale_decisions(bench):
     assert c["refit_cpu_s"] == 0.8 and c["update_cpu_s"] == pytest.approx(0.06)
     assert c["stale"] == 1 and c["where"] == ["process"]
     assert bench.decision_costs({}, saves) == {}  # a run from before the records had costs
+
+
+def _run(path: str, b2: list[float], costs: dict | None = None) -> dict:
+    saves = [
+        {"step": k + 1, "saved": 10.0 * k, "skipped": False, "path": path, "reason": "",
+         "times": {"1": 0.1, "2": t, "3": t + 0.5, "4": t + 0.6}}
+        for k, t in enumerate(b2)
+    ]  # fmt: skip
+    return {"saves": saves, "costs": costs or {}}
+
+
+def test_the_report_sets_each_model_policy_against_the_better_fixed_path(bench):
+    warmup = 2
+    result = {
+        "regime": {"name": "N=4 quiet"},
+        "policies": {
+            "direct": _run("direct", [2.0, 2.2, 1.8, 2.0]),
+            "partner": _run("partner", [1.0, 1.2, 0.8, 1.0]),
+            # the model's first `warmup` saves are its cold start: not counted
+            "auto": _run("partner", [9.0, 9.0, 1.1, 1.3, 0.9, 1.1], {"3": _cost(0.0002, 2, True, 0.5)}),
+            "auto-thread": _run("partner", [9.0, 9.0, 1.2, 1.4, 1.0, 1.2]),
+        },
+    }
+    (row,) = bench.summarize([result], warmup)
+    assert row["winner"] == "partner" and set(row["models"]) == {"auto", "auto-thread"}
+    auto, thread = row["models"]["auto"], row["models"]["auto-thread"]
+    assert auto["picks_winner"] == 1.0 and auto["mean_vs_best"] == pytest.approx(1.1)
+    assert thread["mean_vs_best"] == pytest.approx(1.2) and thread["cost"] == {}
+    assert auto["cost"]["refit_cpu_s"] == 0.5 and row["auto_vs_best"] == auto["mean_vs_best"]
+    bench._print([row])  # the tables print from a row (and from one without auto-thread)

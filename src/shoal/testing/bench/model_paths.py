@@ -4,8 +4,9 @@ Each rank of a :meth:`shoal.testing.cluster.hosts.Cluster.run_ranks` job builds
 :func:`~shoal.testing.cluster.scenarios.cluster_state` (a small data-parallel model and this
 rank's own optimizer shard) and saves it every ``interval`` seconds, as training does, through the
 cluster's S3, with ``Config.path`` set to the policy under test (``direct``, ``partner`` or
-``auto``: the completion-time model). Every tensor changes before each save, so every chunk is
-new. The saves are on a fixed schedule (a save is called at its tick, or as soon as the one
+``auto``: the completion-time model; ``auto-thread``: the same model with its updates in a thread
+of the coordinator instead of a process of their own). Every tensor changes before each save, so
+every chunk is new. The saves are on a fixed schedule (a save is called at its tick, or as soon as the one
 before reached B4 when that was later: one checkpoint in flight at a time, so that no time to a
 boundary includes waiting behind an earlier checkpoint): the exposure to rollback is that of a
 job that checkpoints at a steady interval.
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from shoal.boundary import Boundary
 from shoal.checkpointer import Checkpointer
 from shoal.engine.handle import SaveHandle
+from shoal.engine.path import ModelPolicy
 from shoal.records.events import read_events
 from shoal.testing.bench.cluster_save import prepare_bucket
 from shoal.testing.cluster.scenarios import cluster_config, cluster_state
@@ -55,10 +57,12 @@ def path_run(
     ``events``: also return every event of this rank's host log (to see where a slow one went)."""
     prepare_bucket(rank, bucket)
     state = cluster_state(rank, model_mib=model_mib, shard_mib=shard_mib)
-    overrides = {"path": path, "job": job, "keep_last": 2, **(config or {})}
+    # "auto-thread": the model policy with its updates in a thread of the coordinator (a comparison)
+    policy = ModelPolicy(worker="thread") if path == "auto-thread" else None
+    overrides = {"path": "auto" if policy else path, "job": job, "keep_last": 2, **(config or {})}
     cfg = cluster_config(bucket=bucket, dram_root=dram_root, local_root=local_root, **overrides)
     handles: list[tuple[int, float, SaveHandle]] = []
-    with Checkpointer(cfg) as ckpt:
+    with Checkpointer(cfg, path_policy=policy) as ckpt:
         dist.barrier()
         start = time.monotonic()
         for step in range(1, saves + 1):
