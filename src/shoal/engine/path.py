@@ -197,6 +197,8 @@ class ModelPolicy:
         """Updates submitted and not yet answered (0 or 1)."""
         self._sequence = 0
         self._process: ModelWorker | None = None
+        self._in_process: int | None = None
+        """The update the worker process was given last (its sequence number)."""
         self._process_failed: str | None = None
         self._thread_pacer: Pacer | None = None
 
@@ -269,6 +271,7 @@ class ModelPolicy:
             )
             process.start()
             self._process = process
+        self._in_process = sequence
         self._process.submit(
             {
                 "id": sequence,
@@ -318,7 +321,8 @@ class ModelPolicy:
         if message != "closed":
             self._worker_failed(message)
         with self._busy:
-            self._pending = 0  # an update lost with the worker: the next observe starts another
+            if self._in_process == self._sequence:  # lost with the worker: the next observe starts another
+                self._pending = 0
             self._busy.notify_all()
 
     def _worker_failed(self, message: str) -> None:
