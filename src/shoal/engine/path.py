@@ -330,6 +330,11 @@ class ModelPolicy:
             log.warning("the path model's %s: its updates run in a thread from now on", message)
         self._process_failed = message
 
+    @property
+    def last_update(self) -> Mapping[str, Any] | None:
+        """What the newest update that landed cost, and where it ran (``PathDecision.cost["update"]``)."""
+        return self._cost
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for an update under way (tests, benchmarks); False if it is still running."""
         with self._busy:
