@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.errors import ConfigError
+from shoal.model.plain import from_plain, to_plain
 from shoal.model.writers import TierState, WriterFit, WriterSample, estimate_state, fit_writers
 
 __all__ = ["PATHS", "PathModel", "PathPrediction", "PathTimes"]
@@ -171,36 +172,13 @@ class PathPrediction:
             typical=self.pre + self.overhead + writers_typ,
         )
 
-    def to_json(self) -> dict[str, float | int | str]:
-        return {
-            "path": self.path,
-            "q": self.q,
-            "seconds": self.seconds,
-            "typical": self.typical,
-            "pre": self.pre,
-            "overhead": self.overhead,
-            "writers": self.writers,
-            "b_shared": self.b_shared,
-            "family": self.family,
-        }
+    def to_json(self) -> dict[str, Any]:
+        return to_plain(self)
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> PathPrediction:
         """A prediction from :meth:`to_json`'s object (:class:`~shoal.errors.ConfigError`: malformed)."""
-        try:
-            return cls(
-                str(value["path"]),
-                float(value["q"]),
-                float(value["seconds"]),
-                float(value["typical"]),
-                float(value["pre"]),
-                float(value["overhead"]),
-                int(value["writers"]),
-                float(value["b_shared"]),
-                str(value["family"]),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"a path prediction's JSON is malformed ({e!r}): {dict(value)!r}") from e
+        return from_plain(cls, value, "a path prediction's JSON")
 
 
 @dataclass

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from shoal.errors import ConfigError
+from shoal.model.plain import from_plain, to_plain
 
 __all__ = [
     "FAMILIES",
@@ -511,37 +512,14 @@ class WriterFit:
     n_params: int = 4
     """Parameters fitted (5 with a latency), for the BIC."""
 
-    def to_json(self) -> dict[str, float | int | str]:
+    def to_json(self) -> dict[str, Any]:
         """The fit as plain JSON values (:meth:`from_json` reads it back, bit for bit)."""
-        return {
-            "family": self.family,
-            "b_client": self.b_client,
-            "b_shared": self.b_shared,
-            "sigma": self.sigma,
-            "tau": self.tau,
-            "loglik": self.loglik,
-            "n": self.n,
-            "latency": self.latency,
-            "n_params": self.n_params,
-        }
+        return to_plain(self)
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> WriterFit:
         """A fit from :meth:`to_json`'s object; :class:`~shoal.errors.ConfigError` says what is wrong."""
-        try:
-            fit = cls(
-                str(value["family"]),
-                float(value["b_client"]),
-                float(value["b_shared"]),
-                float(value["sigma"]),
-                float(value["tau"]),
-                float(value["loglik"]),
-                int(value["n"]),
-                float(value["latency"]),
-                int(value["n_params"]),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"a writer fit's JSON is malformed ({e!r}): {dict(value)!r}") from e
+        fit = from_plain(cls, value, "a writer fit's JSON")
         if fit.family not in FAMILIES:
             raise ConfigError(f"a writer fit's family must be one of {FAMILIES}, got {fit.family!r}")
         return fit
