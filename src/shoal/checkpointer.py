@@ -24,7 +24,7 @@ from shoal.config import Config
 from shoal.driver import check_state, load_state, save_state
 from shoal.engine.handle import SaveHandle
 from shoal.engine.path import PathPolicy
-from shoal.engine.restore import LoadReport, sources_in
+from shoal.engine.restore import LoadReport, Restore, sources_in
 from shoal.engine.runtime import Runtime
 from shoal.format import layout
 from shoal.group.topology import Topology
@@ -244,6 +244,7 @@ class Checkpointer:
             start=start,
             end=monotonic(),
             rank_bytes=restore.rank_bytes,
+            phases=_phases(restore, time.perf_counter()),
             **_rank_spans(restore.rank_spans),
         )
         log.info("loaded %s", sources_in(report))
@@ -317,6 +318,15 @@ class Checkpointer:
             self.close()
         except Exception as e:  # pragma: no cover - interpreter shutdown
             log.warning("shoal: close at exit failed: %s", e)
+
+
+def _phases(restore: Restore, now: float) -> dict[str, float]:
+    """This rank's seconds in each part of the load (:attr:`Restore.phases`), and ``after``: from
+    the fetch to ``load``'s return (DCP's finish, values placed in the state)."""
+    phases = dict(restore.phases)
+    if restore.fetched_at is not None:
+        phases["after"] = now - restore.fetched_at
+    return phases
 
 
 def _rank_spans(spans: tuple[float, float, float] | None) -> dict[str, float]:

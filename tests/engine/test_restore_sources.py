@@ -39,6 +39,26 @@ def test_a_load_in_the_saving_process_reads_its_dram_slab_not_shared_storage(con
         assert set(report.bytes_by_tier) == {"dram"} and report.repaired == 0
 
 
+def test_the_loaded_event_says_where_the_load_spent_its_time(config):
+    """The ``loaded`` event's ``phases``: every part of the load, each a share of the whole, with
+    the reads, the digest checks and the copies of a load from DRAM among them."""
+    from shoal.records.events import read_events
+
+    state = {"w": torch.randn(1_000_000), "b": torch.arange(1000)}
+    with shoal.Checkpointer(config) as ckpt:
+        ckpt.save(1, state).wait(timeout=60)
+        ckpt.load(zeros_like_state(state))
+        assert ckpt.config.event_log is not None
+        (loaded,) = read_events(ckpt.config.event_log, kinds=("loaded",))
+    phases = loaded["phases"]
+    assert set(phases) == {
+        "choose", "caller", "agree", "places", "buffers", "read", "verify", "copy", "rounds", "exchange",
+        "stats", "after",
+    }  # fmt: skip
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= loaded["seconds"]
+    assert phases["read"] > 0 and phases["verify"] > 0 and phases["copy"] > 0
+
+
 def test_a_corrupt_dram_copy_is_repaired_from_shared_storage(config, dram_root):
     state = {"w": torch.randn(100_000)}
     with shoal.Checkpointer(config) as ckpt:

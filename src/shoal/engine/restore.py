@@ -162,6 +162,17 @@ class Restore:
         """Each source file this rank reads, once made (or why it cannot read it)."""
         self._first_use: dict[str, tuple[str, int]] = {}
         """Per digest this rank places, the first (item key, chunk index) it fills: for messages."""
+        self.phases: dict[str, float] = {}
+        """This rank's seconds in each part of the load (the ``loaded`` event's ``phases``):
+        ``choose`` (inventory and choice, R1-R2), ``caller`` (between the choice and the fetch:
+        the caller's planning, DCP's for a load), ``agree`` (the read plan, R3-R4), ``places``,
+        ``read``, ``verify`` and ``copy`` (the fetcher's range reads, digest checks and copies
+        into the destinations), ``buffers`` (buffers for chunks only other ranks need),
+        ``rounds`` (the rest of the read rounds: requests, repairs' collectives R5-R4'),
+        ``exchange``, ``stats`` (R6)."""
+        self._chosen_at: float | None = None
+        self.fetched_at: float | None = None
+        """``perf_counter`` when :meth:`fetch` returned."""
 
     @property
     def rank_spans(self) -> tuple[float, float, float] | None:
@@ -180,8 +191,12 @@ class Restore:
     # -- R1, R2 ------------------------------------------------------------------------------
     def begin(self, step: int | None) -> Manifest:
         """Collective: take the inventory and agree on the checkpoint to load; returns its manifest."""
+        t0 = time.perf_counter()
         with collector_paused():  # decoding manifests and indexes: objects by the million, no cycles
-            return self._begin(step)
+            manifest = self._begin(step)
+        self._chosen_at = time.perf_counter()
+        self.phases["choose"] = self._chosen_at - t0
+        return manifest
 
     def _begin(self, step: int | None) -> Manifest:
         ctx = self.ctx
@@ -253,17 +268,29 @@ class Restore:
         request) fails the load on every rank with that message.
         """
         assert self.manifest is not None and self.choice is not None
+        phases, start = self.phases, time.perf_counter()
+        if self._chosen_at is not None:
+            phases["caller"] = start - self._chosen_at
         with collector_paused():  # plans, requests and views by the thousand, no cycles
             plan = self._agree_plan(dests, problem)  # R3, R4
+            agreed = time.perf_counter()
             places = self._places(dests)
             held: dict[str, memoryview] = {}
             t0, m0 = time.perf_counter(), monotonic()
+            phases["agree"], phases["places"] = agreed - start, t0 - agreed
             reader_of = self._read_rounds(plan, places, held)  # read, R5, R4'
             t1, m1 = time.perf_counter(), monotonic()
+            fetcher = sum(phases.get(k, 0.0) for k in ("read", "verify", "copy", "buffers"))
+            phases["rounds"] = max(0.0, t1 - t0 - fetcher)
             error = self._exchange(reader_of, places, held)
-            self._stats.seconds = (t1 - t0, time.perf_counter() - t1)
+            t2 = time.perf_counter()
+            phases["exchange"] = t2 - t1
+            self._stats.seconds = (t1 - t0, t2 - t1)
             self._stats.marks = (m0, m1, monotonic())
-            return self._finish(error)  # R6
+            report = self._finish(error)  # R6
+            self.fetched_at = time.perf_counter()
+            phases["stats"] = self.fetched_at - t2
+            return report
 
     def _agree_plan(self, dests: Mapping[str, memoryview], problem: str | None) -> ReadPlan:
         """R3 (every rank's needs, or its problem) and R4 (the coordinator's read plan)."""
@@ -502,7 +529,9 @@ class Restore:
         need lands in a buffer of its own, to send. ``repairing``: these chunks failed on another
         host first (each counts as repaired).
         """
+        t0 = time.perf_counter()
         spare = memoryview(bytearray(sum(r.length for r in reads if r.digest not in places)))
+        self._add_phase("buffers", time.perf_counter() - t0)
         pos = 0
         requests: list[ChunkRequest] = []
         unusable: list[list[str]] = []
@@ -525,6 +554,9 @@ class Restore:
         )
         for tier, n in result.bytes_by_kind.items():
             self._stats.by_tier[tier] = self._stats.by_tier.get(tier, 0) + n
+        self._add_phase("read", result.read_seconds)
+        self._add_phase("verify", result.verify_seconds)
+        self._add_phase("copy", result.copy_seconds)
         failed = []
         for i, req in enumerate(requests):
             tried = unusable[i] + [f.describe() for f in result.failures.get(i, ())]
@@ -538,6 +570,9 @@ class Restore:
             if used or tried or repairing:
                 self._stats.repaired += 1
         return failed
+
+    def _add_phase(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
 
     # -- the exchange ------------------------------------------------------------------------
     def _accept(

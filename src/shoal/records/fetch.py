@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from time import perf_counter
 from typing import NamedTuple
 
 from shoal.errors import ChecksumMismatch, TierError
@@ -125,6 +126,12 @@ class FetchResult:
     """Bytes those reads returned."""
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
     """Bytes of delivered chunks, by their source file's ``kind``."""
+    read_seconds: float = 0.0
+    """Seconds in the range reads (the tier's ``read_range_into`` or ``read_slab_into``)."""
+    verify_seconds: float = 0.0
+    """Seconds checking digests."""
+    copy_seconds: float = 0.0
+    """Seconds copying verified chunks into their destinations."""
 
     @property
     def lost(self) -> list[int]:
@@ -225,9 +232,11 @@ class Fetcher:
         start = run[0][0]
         last_offset, last = run[-1]
         view = self._buffer(last_offset + requests[last].length - start)
+        t0 = perf_counter()
         try:
             file.read_into(start, view)
         except Exception as e:  # any read error sends the chunks to their next source
+            result.read_seconds += perf_counter() - t0
             if len(run) > 1:  # read them one by one: only the unreadable ones fail
                 log.debug("reading %d chunks from %s failed (%s); reading them one by one", len(run), file, e)
                 for span in run:
@@ -235,6 +244,7 @@ class Fetcher:
                 return
             self._fail(run[0][1], requests, at, result, failed, e)
             return
+        result.read_seconds += perf_counter() - t0
         result.reads += 1
         result.bytes_read += view.nbytes
         if self.on_read is not None:
@@ -244,13 +254,18 @@ class Fetcher:
             req = requests[i]
             pos = offset - start
             chunk = view[pos : pos + req.length]
+            t1 = perf_counter()
             try:
                 verify(chunk, req.digest, partial(_what, req, file, offset))  # the text only on a mismatch
             except ChecksumMismatch as e:
+                result.verify_seconds += perf_counter() - t1
                 self._fail(i, requests, at, result, failed, e)
                 continue
+            t2 = perf_counter()
+            result.verify_seconds += t2 - t1
             for dest in req.dests:
                 dest[:] = chunk
+            result.copy_seconds += perf_counter() - t2
             result.used[i] = at[i]
             delivered += req.length
         if delivered:
