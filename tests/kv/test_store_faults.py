@@ -146,9 +146,9 @@ def test_a_deadline_is_honoured_under_a_slow_shared_tier(
         release, lock = threading.Event(), threading.Lock()
         started: list[str] = []
         finished: list[str] = []
-        fetch = SharedBlocks.fetch
+        fetch = SharedBlocks.fetch_verified
 
-        def held(self: SharedBlocks, digest: str) -> memoryview | None:
+        def held(self: SharedBlocks, digest: str) -> tuple[memoryview, str] | None:
             with lock:
                 started.append(digest)
             release.wait(120)  # a get that waited for its reads would wait this long, then fail below
@@ -158,7 +158,7 @@ def test_a_deadline_is_honoured_under_a_slow_shared_tier(
                 with lock:
                     finished.append(digest)
 
-        monkeypatch.setattr(SharedBlocks, "fetch", held)
+        monkeypatch.setattr(SharedBlocks, "fetch_verified", held)
         bufs = [bytearray(BLOCK) for _ in ks]
         # the deadline only has to outlast the DRAM read of ks[3]; the shared reads never end before it
         results = store.get_batch_into(ks, bufs, deadline=time.monotonic() + 2.0)

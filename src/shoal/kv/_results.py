@@ -100,10 +100,9 @@ class GetResult:
     reason: MissReason | None = None
     """For a miss: ``absent`` (no tier has it), ``deadline`` (not in time), ``corrupt`` (only bad copies)."""
     payload_digest: str | None = None
-    """On a hit: the BLAKE3 (hex) the bytes in the buffer were verified against, where the source
-    knows it (the DRAM pool, the local tier, a peer host, a grouped read's arrival; None from the
-    shared tier), so that a caller passing them on need not hash them again (the fabric path's
-    server, a grouped read's reader)."""
+    """On a hit: the BLAKE3 (hex) the bytes in the buffer were verified against (from every
+    tier, a peer host and a grouped read's arrival), so that a caller passing them on need not
+    hash them again (the fabric path's server, a grouped read's reader)."""
 
     @property
     def hit(self) -> bool:

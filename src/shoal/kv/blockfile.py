@@ -117,9 +117,16 @@ def verify_payload(header: BlockHeader, payload: memoryview | bytes | bytearray,
 
 def decode_block(raw: bytes | bytearray | memoryview, key_digest: str, where: str) -> memoryview:
     """Parse and verify a whole block file read into memory; return a view of its payload."""
+    return decode_block_verified(raw, key_digest, where)[0]
+
+
+def decode_block_verified(
+    raw: bytes | bytearray | memoryview, key_digest: str, where: str
+) -> tuple[memoryview, str]:
+    """:func:`decode_block`, with the BLAKE3 (hex) the payload was verified against."""
     view = memoryview(raw)
     header = parse_header(view, where)
     check_block(header, key_digest, view.nbytes, where)
     payload = view[HEADER_SIZE:]
     verify_payload(header, payload, where)
-    return payload
+    return payload, header.payload_digest

@@ -25,7 +25,7 @@ from shoal import failpoints
 from shoal.errors import FormatError, InsufficientMemory, MissingFile, ShoalError, TierError
 from shoal.kv._index import BlockIndex
 from shoal.kv._owners import temp_name, temp_owner
-from shoal.kv.blockfile import HEADER_SIZE, check_block, decode_block, parse_header
+from shoal.kv.blockfile import HEADER_SIZE, check_block, decode_block, decode_block_verified, parse_header
 from shoal.kv.pool import (
     BufferSizeError,
     is_digest_name,
@@ -62,9 +62,9 @@ class LowerTier(Protocol):
         remove of the block came after it, and the copy was discarded."""
         ...
 
-    def read_into(self, digest: str, out: memoryview) -> str | bool | None:
-        """Fill ``out`` with the verified payload; a falsy value if absent, else True or the
-        payload's BLAKE3 (hex) it was verified against; raise for corrupt or wrong size."""
+    def read_into(self, digest: str, out: memoryview) -> str | None:
+        """Fill ``out`` with the verified payload and return the BLAKE3 (hex) it was verified
+        against; None if absent; raise for corrupt or wrong size."""
         ...
 
     def exists(self, digest: str) -> bool: ...
@@ -282,24 +282,30 @@ class SharedBlocks(_BlocksOnTier):
 
     def fetch(self, digest: str) -> memoryview | None:
         """The verified payload, or None if absent; raises for a corrupt block or a failing tier."""
+        found = self.fetch_verified(digest)
+        return None if found is None else found[0]
+
+    def fetch_verified(self, digest: str) -> tuple[memoryview, str] | None:
+        """:meth:`fetch`, with the BLAKE3 (hex) the payload was verified against."""
         failpoints.hit(FP_SHARED_READ, rank=failpoints.process_rank())
         try:
             raw = self.tier.read(block_path(digest))
         except MissingFile:
             return None
-        return decode_block(raw, digest, self.where(digest))
+        return decode_block_verified(raw, digest, self.where(digest))
 
-    def read_into(self, digest: str, out: memoryview) -> bool:
-        payload = self.fetch(digest)
-        if payload is None:
-            return False
+    def read_into(self, digest: str, out: memoryview) -> str | None:
+        found = self.fetch_verified(digest)
+        if found is None:
+            return None
+        payload, checked = found
         if payload.nbytes != out.nbytes:
             raise BufferSizeError(
                 f"block {digest} on the shared tier is {payload.nbytes} bytes, the buffer is {out.nbytes}",
                 payload.nbytes,
             )
         out[:] = payload
-        return True
+        return checked
 
 
 def tier_error(tier: str, digest: str, err: BaseException) -> ShoalError:

@@ -410,7 +410,7 @@ class KVStore:
 
     def _read_pass(
         self,
-        read: Callable[[str, memoryview], str | bool | None],
+        read: Callable[[str, memoryview], str | None],
         tier: str,
         keys: Sequence[BlockKey],
         views: dict[int, memoryview],
@@ -444,7 +444,7 @@ class KVStore:
         i: int,
         key: BlockKey,
         view: memoryview,
-        attempt: Callable[[], str | bool | None],
+        attempt: Callable[[], str | None],
         results: list[GetResult | None],
         corrupt: set[int],
         missing: dict[int, memoryview],
@@ -462,7 +462,7 @@ class KVStore:
         except (FormatError, ChecksumMismatch) as e:
             self._drop_corrupt(key.digest, tier, e)
             corrupt.add(i)
-            found = False
+            found = None
         except (ShoalError, OSError) as e:
             results[i] = GetResult(key, "error", error=tier_error(tier, key.digest, e))
             return False
@@ -470,8 +470,7 @@ class KVStore:
             counters.add(misses=1)
             missing[i] = view
             return False
-        checked = found if isinstance(found, str) else None
-        results[i] = GetResult(key, "hit", tier=tier, nbytes=view.nbytes, payload_digest=checked)
+        results[i] = GetResult(key, "hit", tier=tier, nbytes=view.nbytes, payload_digest=found)
         counters.add(hits=1, bytes_read=view.nbytes)
         if tier != DRAM and use:
             self._writeback.promote(key.digest, bytes(view), tier, since)
@@ -493,8 +492,8 @@ class KVStore:
         assert self._shared is not None
         shared = self._shared
         pool = self._reader_pool()
-        futures: dict[int, Future[memoryview | None]] = {
-            i: pool.submit(shared.fetch, keys[i].digest) for i in views
+        futures: dict[int, Future[tuple[memoryview, str] | None]] = {
+            i: pool.submit(shared.fetch_verified, keys[i].digest) for i in views
         }
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         wait_futures(list(futures.values()), timeout=timeout)
@@ -766,11 +765,13 @@ def _check_deadline(deadline: object) -> None:
         )
 
 
-def _copy_fetched(fut: Future[memoryview | None], key: BlockKey, view: memoryview) -> bool:
-    """A finished shared-tier fetch (verified there) into the caller's buffer; False if absent."""
-    payload = fut.result()
-    if payload is None:
-        return False
+def _copy_fetched(fut: Future[tuple[memoryview, str] | None], key: BlockKey, view: memoryview) -> str | None:
+    """A finished shared-tier fetch (verified there) into the caller's buffer, and the digest it
+    was verified against; None if absent."""
+    found = fut.result()
+    if found is None:
+        return None
+    payload, checked = found
     if payload.nbytes != view.nbytes:
         raise BufferSizeError(
             f"block {key.digest} on the shared tier is {payload.nbytes} bytes, the buffer is "
@@ -778,4 +779,4 @@ def _copy_fetched(fut: Future[memoryview | None], key: BlockKey, view: memoryvie
             payload.nbytes,
         )
     view[:] = payload
-    return True
+    return checked
