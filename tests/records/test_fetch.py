@@ -242,6 +242,53 @@ def test_slabs_are_read_from_a_slab_store_and_refused_elsewhere(shm_path: Path, 
         dram.close()
 
 
+@pytest.mark.parametrize("open_here", [False, True], ids=["another process's slab", "this process's slab"])
+def test_a_mapped_slab_is_verified_where_it_lies_and_copied_once(
+    shm_path: Path, tier: CountingTier, open_here: bool
+) -> None:
+    """A slab of the DRAM tier is lent, not read: each chunk is checked in the mapping (this
+    process's own when it has the slab open) and copied into its destination; a corrupt chunk
+    leaves its destination untouched and is taken from the next source, and a chunk past the
+    slab's end fails like a short read."""
+    dram = DramTier(shm_path / "dram")
+    try:
+        sizes = [4096, 8192, 1000, 70_000]
+        slab = dram.open_slab("r0-1-slot-0", sum(sizes))
+        pack = write_pack(tier, "p.pack", sizes, seed=3)
+        for _, off, data in pack:
+            slab.buffer[off : off + len(data)] = data
+        slab.buffer[4096 + 10] ^= 0xFF  # chunk 1 is corrupt in the slab, good in the pack
+        if not open_here:
+            slab.close()
+        in_slab = SourceFile(dram, "r0-1-slot-0", slab=True, kind="dram")
+        reqs, outs = requests_for(pack, in_slab, SourceFile(tier, "p.pack"))
+        fetcher = Fetcher()
+        result = fetcher.fetch(reqs)
+        assert [bytes(o) for o in outs] == [data for _, _, data in pack]
+        assert result.used == [0, 1, 0, 0] and tier.reads == [("p.pack", 4096, 8192)]  # the repair alone
+        assert result.bytes_by_kind == {"dram": sum(sizes) - 8192, "": 8192}
+        assert isinstance(result.failures[1][0].error, ChecksumMismatch)
+        assert result.verify_seconds > 0 and result.copy_seconds > 0
+        assert not fetcher._maps and fetcher._checker is None  # nothing held after the fetch
+
+        only_slab, only_outs = requests_for(pack[1:2], in_slab)
+        only_outs[0][:] = b"\x07" * 8192
+        assert Fetcher().fetch(only_slab).lost == [0]
+        assert only_outs[0] == b"\x07" * 8192  # a chunk that failed its check never reaches its destination
+
+        past_end = ChunkSource(in_slab, 20_000)  # 70,000 bytes from there run past the slab's end
+        short = Fetcher().fetch(
+            [ChunkRequest(pack[3][0], 70_000, [memoryview(bytearray(70_000))], [past_end])]
+        )
+        assert short.lost == [0] and isinstance(short.failures[0][0].error, TierError)
+        assert "ends at byte" in str(short.failures[0][0].error)
+        absent = ChunkSource(SourceFile(dram, "nope", slab=True), 0)
+        gone = Fetcher().fetch([ChunkRequest(pack[0][0], 4096, [], [absent])])
+        assert gone.lost == [0] and isinstance(gone.failures[0][0].error, MissingFile)
+    finally:
+        dram.close()
+
+
 def test_max_run_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_run"):
         Fetcher(max_run=0)

@@ -18,12 +18,19 @@ verified and scattered from memoryview slices of it; so many small items cost on
 one open each. A run whose read fails is read again chunk by chunk, so a truncated pack loses
 only the chunks past its end. Bytes reach a destination only after their digest matched: a
 destination of a chunk that was never delivered is left as it was.
+
+A slab of a tier that lends its bytes (:class:`~shoal.tiers.slabs.MappedSlabs`: the DRAM tier)
+is not read into the scratch buffer: it is mapped once per fetch, each chunk is verified where
+it lies and copied from there into its destinations, one copy per byte. The digest of the next
+chunk of the run is checked in a helper thread while this one is copied (the hash runs without
+the interpreter lock), so the check costs no time beside the copy where a core is free.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from time import perf_counter
@@ -32,7 +39,7 @@ from typing import NamedTuple
 from shoal.errors import ChecksumMismatch, TierError
 from shoal.format.chunking import verify
 from shoal.tiers.base import Tier
-from shoal.tiers.slabs import SlabStore
+from shoal.tiers.slabs import MappedSlabs, SlabStore
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +70,12 @@ class SourceFile:
         if not isinstance(self.tier, SlabStore):
             raise TierError(f"tier {self.tier.url} holds no staging slabs (asked for slab {self.path})")
         self.tier.read_slab_into(self.path, offset, out)
+
+    def mapped(self) -> memoryview | None:
+        """The whole slab without a copy, where the tier lends it (None: read it with :meth:`read_into`)."""
+        if self.slab and isinstance(self.tier, MappedSlabs):
+            return self.tier.map_slab(self.path)
+        return None
 
     def describe(self, offset: int) -> str:
         what = f"slab {self.path} of {self.tier.url}" if self.slab else f"pack {self.tier.url}/{self.path}"
@@ -161,9 +174,21 @@ class Fetcher:
         self.max_run = max_run
         self.on_read = on_read
         self._scratch = bytearray()
+        self._maps: dict[SourceFile, memoryview | Exception | None] = {}
+        """The slabs mapped during one :meth:`fetch` (or why one could not be), dropped at its end."""
+        self._checker: ThreadPoolExecutor | None = None
 
     def fetch(self, requests: Sequence[ChunkRequest]) -> FetchResult:
         """Read, verify and place every request; try each failed one at its next source, until done."""
+        try:
+            return self._fetch(requests)
+        finally:
+            self._maps.clear()  # the mappings go with their last views
+            if self._checker is not None:
+                self._checker.shutdown(wait=True)
+                self._checker = None
+
+    def _fetch(self, requests: Sequence[ChunkRequest]) -> FetchResult:
         result = FetchResult([None] * len(requests))
         at = [0] * len(requests)  # the source each request is read from this round
         pending = [i for i, r in enumerate(requests) if r.sources]
@@ -231,10 +256,16 @@ class Fetcher:
     ) -> None:
         start = run[0][0]
         last_offset, last = run[-1]
-        view = self._buffer(last_offset + requests[last].length - start)
         t0 = perf_counter()
         try:
-            file.read_into(start, view)
+            view = self._mapped_range(file, start, last_offset + requests[last].length)
+            if view is not None and self.on_read is None:
+                result.read_seconds += perf_counter() - t0
+                self._deliver_mapped(file, run, view, requests, at, result, failed)
+                return
+            if view is None:
+                view = self._buffer(last_offset + requests[last].length - start)
+                file.read_into(start, view)
         except Exception as e:  # any read error sends the chunks to their next source
             result.read_seconds += perf_counter() - t0
             if len(run) > 1:  # read them one by one: only the unreadable ones fail
@@ -270,6 +301,79 @@ class Fetcher:
             delivered += req.length
         if delivered:
             result.bytes_by_kind[file.kind] = result.bytes_by_kind.get(file.kind, 0) + delivered
+
+    def _mapped_range(self, file: SourceFile, start: int, end: int) -> memoryview | None:
+        """Bytes ``[start, end)`` of ``file`` without a copy, where its tier lends them (mapped once
+        per fetch); None: read them. Raises like a read that fails (a missing or short slab)."""
+        if not file.slab:
+            return None
+        if file not in self._maps:
+            try:
+                self._maps[file] = file.mapped()
+            except Exception as e:  # remembered: every run of the file fails alike, as its reads would
+                self._maps[file] = e
+        mapped = self._maps[file]
+        if isinstance(mapped, Exception):
+            raise mapped
+        if mapped is None:
+            return None
+        if end > mapped.nbytes:
+            raise TierError(
+                f"slab {file.path} of {file.tier.url} ends at byte {mapped.nbytes}, before {end} "
+                f"(a chunk at offset {start} was asked for)"
+            )
+        return mapped[start:end]
+
+    def _deliver_mapped(
+        self,
+        file: SourceFile,
+        run: list[tuple[int, int]],
+        view: memoryview,
+        requests: Sequence[ChunkRequest],
+        at: list[int],
+        result: FetchResult,
+        failed: list[int],
+    ) -> None:
+        """Verify each chunk of ``run`` where it lies in the mapped ``view`` and copy it into its
+        destinations; the next chunk's digest is checked in the helper thread meanwhile."""
+        start = run[0][0]
+        result.reads += 1
+        result.bytes_read += view.nbytes
+
+        def check(k: int) -> Future[None]:
+            offset, i = run[k]
+            req = requests[i]
+            chunk = view[offset - start : offset - start + req.length]
+            return self._check_pool().submit(verify, chunk, req.digest, partial(_what, req, file, offset))
+
+        delivered = 0
+        pending = check(0)
+        for k, (offset, i) in enumerate(run):
+            req = requests[i]
+            chunk = view[offset - start : offset - start + req.length]
+            t1 = perf_counter()
+            error = pending.exception()  # waits for the check
+            if k + 1 < len(run):
+                pending = check(k + 1)
+            t2 = perf_counter()
+            result.verify_seconds += t2 - t1
+            if error is not None:
+                if not isinstance(error, ChecksumMismatch):
+                    raise error
+                self._fail(i, requests, at, result, failed, error)
+                continue
+            for dest in req.dests:
+                dest[:] = chunk
+            result.copy_seconds += perf_counter() - t2
+            result.used[i] = at[i]
+            delivered += req.length
+        if delivered:
+            result.bytes_by_kind[file.kind] = result.bytes_by_kind.get(file.kind, 0) + delivered
+
+    def _check_pool(self) -> ThreadPoolExecutor:
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-verify")
+        return self._checker
 
     @staticmethod
     def _fail(

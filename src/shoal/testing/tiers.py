@@ -30,7 +30,7 @@ from shoal.errors import InvalidName, MissingFile, OwnershipError, TierError
 from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities
 from shoal.tiers.registry import BUILT_IN_TIERS, TIER_CLASSES, read_preference, tier_class
 from shoal.tiers.roles import Role, kind_for
-from shoal.tiers.slabs import SlabLike, SlabStore
+from shoal.tiers.slabs import MappedSlabs, SlabLike, SlabStore
 
 MiB = 1 << 20
 
@@ -389,6 +389,28 @@ class TierTests:
             store.read_slab_into("s", end - 3, memoryview(bytearray(4)))
         with pytest.raises(MissingFile):
             store.read_slab_into("nope", 0, memoryview(bytearray(1)))
+
+    def test_a_lent_slab_is_its_bytes_read_only(self, tier: Tier) -> None:
+        """A slab store that lends its slabs (:class:`~shoal.tiers.slabs.MappedSlabs`): the view is
+        the slab's bytes, whether this process has it open or not, and cannot write them."""
+        store = _slabs(tier)
+        if not isinstance(store, MappedSlabs):
+            pytest.skip(f"{type(tier).__name__} does not lend its slabs (not a MappedSlabs)")
+        slab = store.open_slab("lent", 5000)
+        slab.buffer[:5] = b"hello"
+        slab.buffer[4995:5000] = b"world"
+        for still_open in (True, False):
+            view = store.map_slab("lent")
+            assert view.readonly and view.nbytes >= 5000
+            assert bytes(view[:5]) == b"hello" and bytes(view[4995:5000]) == b"world"
+            assert bytes(view[:5000]) == _read_slab(store, "lent", 0, 5000)
+            del view
+            if still_open:
+                slab.close()
+        with pytest.raises(MissingFile):
+            store.map_slab("nope")
+        with pytest.raises(InvalidName):
+            store.map_slab("../x")
 
     @pytest.mark.parametrize("name", ["", "../x", "a/b", ".hidden", "a\x00b"])
     def test_slab_names_are_identifiers(self, tier: Tier, name: str) -> None:

@@ -6,7 +6,8 @@
 * :mod:`shoal.tiers.roles`: what a tier is used for (staging, host copy, shared) and which
   kind plays each role; :func:`open_role` (:func:`open_host_role` for a host tier at a local
   directory).
-* :mod:`shoal.tiers.slabs`: the slab capability (:class:`SlabStore`, :class:`SlabLike`),
+* :mod:`shoal.tiers.slabs`: the slab capability (:class:`SlabStore`, :class:`SlabLike`, and
+  :class:`MappedSlabs` for a slab's bytes without a copy),
   checked with ``isinstance``.
 
 A new tier is one module, one :func:`register_tier` call (one line of
@@ -37,7 +38,7 @@ from shoal.tiers.roles import (
     open_host_role,
     open_role,
 )
-from shoal.tiers.slabs import SlabLike, SlabStore
+from shoal.tiers.slabs import MappedSlabs, SlabLike, SlabStore
 
 __all__ = [
     "AUTO",
@@ -48,6 +49,7 @@ __all__ = [
     "STAGING",
     "TIER_CLASSES",
     "FileInfo",
+    "MappedSlabs",
     "Role",
     "SlabLike",
     "SlabStore",

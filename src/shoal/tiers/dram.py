@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 SLABS_DIR = "slabs"
 PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if os.uname().sysname == "Linux" else None)
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""Populate a read-only mapping's page tables at once (Linux): one call instead of a fault per page."""
 _GIB = float(1 << 30)
 
 
@@ -257,6 +259,30 @@ class DramTier(PosixTier):
         self._slabs.add(slab)
         log.debug("slab %s mapped: %d bytes", path, slab.capacity)
         return slab
+
+    def map_slab(self, name: str) -> memoryview:
+        """A read-only view of all of slab ``name``, without a copy (:class:`~shoal.tiers.slabs.MappedSlabs`).
+
+        This process's own mapping when it has the slab open (mapped once, pre-faulted: the
+        stager's); else a new read-only mapping of the file with its pages populated at once (one
+        call, not a fault per page). The mapping lives as long as the view and its slices.
+        :class:`~shoal.errors.MissingFile` if there is no such slab.
+        """
+        check_identifier(name, "slab name")
+        for slab in list(self._slabs):
+            if slab.name == name and slab.capacity:
+                return slab.buffer.toreadonly()
+        path = self.slab_path(name)
+        with self.translating("map slab", name, missing=True):
+            fd = open_private(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if not size:
+                    return memoryview(b"")
+                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        return memoryview(mapped)
 
     def read_slab_into(self, name: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` from slab ``name`` at ``offset`` (what a restarted process reads back)."""

@@ -77,6 +77,17 @@ class SlabStore(Protocol):
         ...
 
 
+@runtime_checkable
+class MappedSlabs(Protocol):
+    """A slab store that also lends a slab's bytes without a copy (the DRAM tier): a restore
+    from DRAM then reads each byte once, into its destination."""
+
+    def map_slab(self, name: str) -> memoryview:
+        """A read-only view of all of slab ``name``, valid while it is held (the mapping goes with
+        the last view of it); :class:`~shoal.errors.MissingFile` if there is no such slab."""
+        ...
+
+
 def require_slabs(tier: object, action: str) -> SlabStore:
     """``tier`` as a :class:`SlabStore`, or :class:`~shoal.errors.ConfigError` saying it keeps no slabs."""
     if not isinstance(tier, SlabStore):
@@ -88,4 +99,4 @@ def require_slabs(tier: object, action: str) -> SlabStore:
     return tier
 
 
-__all__ = ["SlabLike", "SlabStore", "require_slabs"]
+__all__ = ["MappedSlabs", "SlabLike", "SlabStore", "require_slabs"]
