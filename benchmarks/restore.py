@@ -29,7 +29,8 @@ from shoal.testing.multiproc import run_ranks
 CASES = {"dram": "DRAM (slabs)", "partner": "partner copies", "shared": "shared storage"}
 PHASES = ("choose", "caller", "agree", "places", "buffers", "read", "verify", "copy", "rounds", "exchange",
           "stats", "after")  # fmt: skip
-"""The ``loaded`` event's phases, in the order a load goes through them (docs/events.md)."""
+"""The ``loaded`` event's phases, in the order a load goes through them (docs/events.md; ``buffers``:
+the buffers for chunks only other ranks need, which older versions allocated)."""
 
 
 def main() -> None:

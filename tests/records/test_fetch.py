@@ -73,7 +73,7 @@ def test_contiguous_chunks_of_one_pack_are_read_with_one_read(tier: CountingTier
     reqs, outs = requests_for(chunks, SourceFile(tier, "packs/a.pack", kind="local"))
     random.Random(1).shuffle(reqs)  # the order asked in does not matter: runs follow the file
     outs_by_digest = {r.digest: r.dests[0] for r in reqs}
-    result = fetch_chunks(reqs)
+    result = fetch_chunks(reqs, lend=False)  # the read path (a host tier would lend its files)
     assert tier.reads == [("packs/a.pack", 0, 200 * 1024)]
     assert result.reads == 1 and result.bytes_read == 200 * 1024
     assert result.used == [0] * 200 and result.failures == {} and result.lost == []
@@ -90,7 +90,7 @@ def test_runs_break_at_gaps_between_files_and_at_max_run(tier: CountingTier) -> 
     wanted = a[:10] + a[11:30]  # chunk 10 is not asked for: a gap
     reqs, outs = requests_for(wanted, fa)
     reqs_b, outs_b = requests_for(b, fb)
-    result = Fetcher(max_run=12_000).fetch(reqs + reqs_b)
+    result = Fetcher(max_run=12_000, lend=False).fetch(reqs + reqs_b)
     a_reads = sorted(r for r in tier.reads if r[0] == "packs/a.pack")
     assert a_reads == [
         ("packs/a.pack", 0, 10_000),
@@ -105,7 +105,7 @@ def test_runs_break_at_gaps_between_files_and_at_max_run(tier: CountingTier) -> 
 def test_a_chunk_longer_than_max_run_is_read_alone(tier: CountingTier) -> None:
     chunks = write_pack(tier, "packs/a.pack", [100, 5000, 100, 100])
     reqs, outs = requests_for(chunks, SourceFile(tier, "packs/a.pack"))
-    result = Fetcher(max_run=1000).fetch(reqs)
+    result = Fetcher(max_run=1000, lend=False).fetch(reqs)
     assert sorted(tier.reads) == [
         ("packs/a.pack", 0, 100),
         ("packs/a.pack", 100, 5000),
@@ -123,7 +123,7 @@ def test_a_corrupt_chunk_is_repaired_from_the_next_source_and_the_failure_record
     primary = SourceFile(tier, "packs/a.pack", kind="local", label="local tier")
     backup = SourceFile(tier, "packs/b.pack", kind="shared")
     reqs, outs = requests_for(chunks, primary, backup)
-    result = fetch_chunks(reqs)
+    result = fetch_chunks(reqs, lend=False)  # the read path (a host tier would lend its files)
     assert [bytes(o) for o in outs] == [c[2] for c in chunks]
     assert result.used == [0, 0, 0, 1, 0, 0, 0, 0]
     assert result.bytes_by_kind == {"local": 7 * 512, "shared": 512}
@@ -141,7 +141,7 @@ def test_a_missing_file_sends_every_chunk_to_its_next_source(tier: CountingTier)
     chunks = write_pack(tier, "packs/b.pack", [256] * 4)
     gone = SourceFile(tier, "packs/gone.pack")
     reqs, outs = requests_for(chunks, gone, SourceFile(tier, "packs/b.pack"))
-    result = fetch_chunks(reqs)
+    result = fetch_chunks(reqs, lend=False)  # the read path (a host tier would lend its files)
     assert [bytes(o) for o in outs] == [c[2] for c in chunks] and result.used == [1] * 4
     for i in range(4):
         (failure,) = result.failures[i]
@@ -157,7 +157,7 @@ def test_a_truncated_pack_loses_only_the_chunks_past_its_end(tier: CountingTier)
     full = os.path.join(tier.root, "packs/a.pack")
     os.truncate(full, 4 * 300 + 10)  # chunks 0-3 whole, 4 cut short, 5 gone
     reqs, outs = requests_for(chunks, SourceFile(tier, "packs/a.pack"), SourceFile(tier, "packs/b.pack"))
-    result = fetch_chunks(reqs)
+    result = fetch_chunks(reqs, lend=False)  # the read path (a host tier would lend its files)
     assert [bytes(o) for o in outs] == [c[2] for c in chunks]
     assert result.used == [0, 0, 0, 0, 1, 1]
     assert sorted(result.failures) == [4, 5]
@@ -179,7 +179,7 @@ def test_with_every_copy_bad_the_chunk_is_lost_and_its_destination_untouched(tie
         SourceFile(tier, "packs/x"),
     )
     no_source = ChunkRequest(chunks[0][0], 128, [memoryview(bytearray(128))], [])
-    result = fetch_chunks([*reqs, no_source])
+    result = fetch_chunks([*reqs, no_source], lend=False)
     assert result.lost == [1, 3] and result.used == [0, None, 0, None]
     assert bytes(outs[1]) == bytes(128)  # never the bad bytes of either copy
     assert [type(f.error) for f in result.failures[1]] == [ChecksumMismatch, ChecksumMismatch, MissingFile]
@@ -197,7 +197,7 @@ def test_bytes_are_read_into_scratch_and_placed_only_after_the_check(tier: Count
         assert all(o == bytes(64) for o in outs)  # the destinations hold nothing yet
         seen.append((offset, bytes(view)))
 
-    result = Fetcher(on_read=on_read).fetch(reqs)
+    result = Fetcher(on_read=on_read, lend=False).fetch(reqs)
     assert seen == [
         (
             0,
@@ -265,7 +265,9 @@ def test_a_mapped_slab_is_verified_where_it_lies_and_copied_once(
         fetcher = Fetcher()
         result = fetcher.fetch(reqs)
         assert [bytes(o) for o in outs] == [data for _, _, data in pack]
-        assert result.used == [0, 1, 0, 0] and tier.reads == [("p.pack", 4096, 8192)]  # the repair alone
+        assert (
+            result.used == [0, 1, 0, 0] and tier.reads == []
+        )  # the repair took the host tier's pack, lent too
         assert result.bytes_by_kind == {"dram": sum(sizes) - 8192, "": 8192}
         assert isinstance(result.failures[1][0].error, ChecksumMismatch)
         assert result.verify_seconds > 0 and result.copy_seconds > 0
@@ -287,6 +289,38 @@ def test_a_mapped_slab_is_verified_where_it_lies_and_copied_once(
         assert gone.lost == [0] and isinstance(gone.failures[0][0].error, MissingFile)
     finally:
         dram.close()
+
+
+def test_a_host_tiers_pack_is_lent_and_a_kept_chunk_is_its_own_bytes(tier: CountingTier) -> None:
+    """A pack of a host tier is mapped, not read: its chunks are verified where they lie; one that
+    only has to be kept (to send on) comes back as the pack's own bytes, read-only, no copy; a
+    truncated pack still loses only the chunks past its end."""
+    pack = write_pack(tier, "p.pack", [5000, 6000, 7000], seed=9)
+    reqs, outs = requests_for(pack, SourceFile(tier, "p.pack"))
+    reqs[2] = ChunkRequest(reqs[2].digest, 7000, [], reqs[2].sources, "chunk #2", keep=True)
+    result = fetch_chunks(reqs)
+    assert tier.reads == [] and result.used == [0, 0, 0]
+    assert [bytes(o) for o in outs[:2]] == [pack[0][2], pack[1][2]]
+    kept = result.kept[2]
+    assert kept.readonly and bytes(kept) == pack[2][2] and list(result.kept) == [2]
+    del kept, result
+
+    with open(os.path.join(tier.root, "p.pack"), "r+b") as f:
+        f.truncate(5000 + 6000 + 10)  # the last chunk is cut short
+    reqs, outs = requests_for(pack, SourceFile(tier, "p.pack"))
+    result = fetch_chunks(reqs)
+    assert result.used == [0, 0, None] and [bytes(o) for o in outs[:2]] == [pack[0][2], pack[1][2]]
+    assert "a short file" in str(result.failures[2][0].error) and outs[2] == bytes(7000)
+
+
+def test_a_kept_chunk_read_into_the_scratch_buffer_is_a_copy_of_its_own(tier: CountingTier) -> None:
+    pack = write_pack(tier, "p.pack", [3000, 3000], seed=5)
+    fetcher = Fetcher(lend=False)
+    first = fetcher.fetch(
+        [ChunkRequest(pack[0][0], 3000, [], [ChunkSource(SourceFile(tier, "p.pack"), 0)], keep=True)]
+    )
+    fetcher.fetch([ChunkRequest(pack[1][0], 3000, [], [ChunkSource(SourceFile(tier, "p.pack"), 3000)])])
+    assert bytes(first.kept[0]) == pack[0][2]  # the scratch buffer was reused meanwhile: a copy was kept
 
 
 def test_max_run_must_be_positive() -> None:

@@ -167,8 +167,8 @@ class Restore:
         ``choose`` (inventory and choice, R1-R2), ``caller`` (between the choice and the fetch:
         the caller's planning, DCP's for a load), ``agree`` (the read plan, R3-R4), ``places``,
         ``read``, ``verify`` and ``copy`` (the fetcher's range reads, digest checks and copies
-        into the destinations), ``buffers`` (buffers for chunks only other ranks need),
-        ``rounds`` (the rest of the read rounds: requests, repairs' collectives R5-R4'),
+        into the destinations), ``rounds`` (the rest of the read rounds: requests, repairs'
+        collectives R5-R4'),
         ``exchange``, ``stats`` (R6)."""
         self._chosen_at: float | None = None
         self.fetched_at: float | None = None
@@ -280,7 +280,7 @@ class Restore:
             phases["agree"], phases["places"] = agreed - start, t0 - agreed
             reader_of = self._read_rounds(plan, places, held)  # read, R5, R4'
             t1, m1 = time.perf_counter(), monotonic()
-            fetcher = sum(phases.get(k, 0.0) for k in ("read", "verify", "copy", "buffers"))
+            fetcher = sum(phases.get(k, 0.0) for k in ("read", "verify", "copy"))
             phases["rounds"] = max(0.0, t1 - t0 - fetcher)
             error = self._exchange(reader_of, places, held)
             t2 = time.perf_counter()
@@ -512,7 +512,7 @@ class Restore:
             sources.append(ChunkSource(file, s.offset))
         use = self._first_use.get(r.digest)
         what = f"item {use[0]!r} chunk {use[1]} ({r.digest})" if use else ""
-        return ChunkRequest(r.digest, r.length, dest, sources, what), unusable
+        return ChunkRequest(r.digest, r.length, dest, sources, what, keep=not dest), unusable
 
     def _read(
         self,
@@ -526,21 +526,14 @@ class Restore:
 
         One fetch (:class:`~shoal.records.fetch.Fetcher`) for all of them: per contiguous run of
         a pack or slab, verified before any byte reaches a destination. A chunk only other ranks
-        need lands in a buffer of its own, to send. ``repairing``: these chunks failed on another
-        host first (each counts as repaired).
+        need is kept as the fetcher hands it back, to send: the source's own bytes where its
+        tier lends them (a DRAM slab, a host tier's pack), else a copy. ``repairing``: these
+        chunks failed on another host first (each counts as repaired).
         """
-        t0 = time.perf_counter()
-        spare = memoryview(bytearray(sum(r.length for r in reads if r.digest not in places)))
-        self._add_phase("buffers", time.perf_counter() - t0)
-        pos = 0
         requests: list[ChunkRequest] = []
         unusable: list[list[str]] = []
         for r in reads:
-            dest = places.get(r.digest)
-            if not dest:
-                dest = [spare[pos : pos + r.length]]
-                pos += r.length
-            req, bad = self._request(r, dest)
+            req, bad = self._request(r, places.get(r.digest) or [])
             requests.append(req)
             unusable.append(bad)
         t0 = time.perf_counter()
@@ -566,7 +559,7 @@ class Restore:
                     (req.digest, tried or [f"rank {self.rank}: no source reachable from {self.ctx.host}"])
                 )
                 continue
-            held[req.digest] = req.dests[0]
+            held[req.digest] = req.dests[0] if req.dests else result.kept[i]
             if used or tried or repairing:
                 self._stats.repaired += 1
         return failed

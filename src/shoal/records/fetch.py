@@ -39,7 +39,7 @@ from typing import NamedTuple
 from shoal.errors import ChecksumMismatch, TierError
 from shoal.format.chunking import verify
 from shoal.tiers.base import Tier
-from shoal.tiers.slabs import MappedSlabs, SlabStore
+from shoal.tiers.slabs import MappedFiles, MappedSlabs, SlabStore
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +72,11 @@ class SourceFile:
         self.tier.read_slab_into(self.path, offset, out)
 
     def mapped(self) -> memoryview | None:
-        """The whole slab without a copy, where the tier lends it (None: read it with :meth:`read_into`)."""
-        if self.slab and isinstance(self.tier, MappedSlabs):
-            return self.tier.map_slab(self.path)
-        return None
+        """The whole file or slab without a copy, where the tier lends it (None: read it with
+        :meth:`read_into`)."""
+        if self.slab:
+            return self.tier.map_slab(self.path) if isinstance(self.tier, MappedSlabs) else None
+        return self.tier.map_file(self.path) if isinstance(self.tier, MappedFiles) else None
 
     def describe(self, offset: int) -> str:
         what = f"slab {self.path} of {self.tier.url}" if self.slab else f"pack {self.tier.url}/{self.path}"
@@ -97,8 +98,9 @@ class ChunkRequest:
     """One chunk to fetch: ``length`` bytes whose BLAKE3 digest is ``digest``.
 
     Its verified bytes are copied into every buffer of ``dests`` (each exactly ``length``
-    bytes; none: only verify it); ``sources`` are tried in order. ``what`` names the chunk
-    in messages (``"item 'w' of step 3: chunk 1"``); empty, the digest does.
+    bytes; none: only verify it, or with ``keep`` hand them back); ``sources`` are tried in
+    order. ``what`` names the chunk in messages (``"item 'w' of step 3: chunk 1"``); empty,
+    the digest does.
     """
 
     digest: str
@@ -106,6 +108,9 @@ class ChunkRequest:
     dests: Sequence[memoryview]
     sources: Sequence[ChunkSource]
     what: str = ""
+    keep: bool = False
+    """Hand the verified bytes back (:attr:`FetchResult.kept`): where the source lends them
+    (a mapped slab or host file), the source's own bytes, with no copy; else a copy."""
 
     def describe(self) -> str:
         return self.what or f"chunk {self.digest}"
@@ -145,6 +150,9 @@ class FetchResult:
     """Seconds checking digests."""
     copy_seconds: float = 0.0
     """Seconds copying verified chunks into their destinations."""
+    kept: dict[int, memoryview] = field(default_factory=dict)
+    """Per delivered request with ``keep``, its verified bytes (read-only where they are the
+    source's own: held, they keep its mapping)."""
 
     @property
     def lost(self) -> list[int]:
@@ -165,14 +173,20 @@ class Fetcher:
     """Fetches chunk requests (see the module docstring); keeps one scratch buffer between calls.
 
     Not thread-safe: use one per thread. ``on_read`` sees the raw bytes of every read, in the
-    order read (per file, by offset): ``shoal verify`` hashes whole packs with it.
+    order read (per file, by offset): ``shoal verify`` hashes whole packs with it. ``lend``
+    (default): take the bytes a tier lends (a mapped DRAM slab or host-tier file) instead of
+    reading them into the scratch buffer.
     """
 
-    def __init__(self, *, max_run: int = DEFAULT_MAX_RUN, on_read: OnRead | None = None) -> None:
+    def __init__(
+        self, *, max_run: int = DEFAULT_MAX_RUN, on_read: OnRead | None = None, lend: bool = True
+    ) -> None:
         if max_run <= 0:
             raise ValueError(f"max_run must be positive, got {max_run}")
         self.max_run = max_run
         self.on_read = on_read
+        self.lend = lend
+        """Take the bytes a tier lends (a mapped slab or host file) instead of reading them."""
         self._scratch = bytearray()
         self._maps: dict[SourceFile, memoryview | Exception | None] = {}
         """The slabs mapped during one :meth:`fetch` (or why one could not be), dropped at its end."""
@@ -296,6 +310,8 @@ class Fetcher:
             result.verify_seconds += t2 - t1
             for dest in req.dests:
                 dest[:] = chunk
+            if req.keep:  # the scratch buffer is reused: a copy of its own (a mapped source lends it)
+                result.kept[i] = chunk if chunk.readonly else memoryview(bytes(chunk))
             result.copy_seconds += perf_counter() - t2
             result.used[i] = at[i]
             delivered += req.length
@@ -304,8 +320,8 @@ class Fetcher:
 
     def _mapped_range(self, file: SourceFile, start: int, end: int) -> memoryview | None:
         """Bytes ``[start, end)`` of ``file`` without a copy, where its tier lends them (mapped once
-        per fetch); None: read them. Raises like a read that fails (a missing or short slab)."""
-        if not file.slab:
+        per fetch); None: read them. Raises like a read that fails (a missing or short file)."""
+        if not self.lend:
             return None
         if file not in self._maps:
             try:
@@ -319,8 +335,7 @@ class Fetcher:
             return None
         if end > mapped.nbytes:
             raise TierError(
-                f"slab {file.path} of {file.tier.url} ends at byte {mapped.nbytes}, before {end} "
-                f"(a chunk at offset {start} was asked for)"
+                f"{file.describe(start)} ends at byte {mapped.nbytes}, before {end}: a short file"
             )
         return mapped[start:end]
 
@@ -364,6 +379,8 @@ class Fetcher:
                 continue
             for dest in req.dests:
                 dest[:] = chunk
+            if req.keep:
+                result.kept[i] = chunk  # the source's own bytes, verified: no copy
             result.copy_seconds += perf_counter() - t2
             result.used[i] = at[i]
             delivered += req.length
@@ -394,9 +411,11 @@ def _what(req: ChunkRequest, file: SourceFile, offset: int) -> str:
     return f"{req.describe()} read from {file.describe(offset)}"
 
 
-def fetch_chunks(requests: Sequence[ChunkRequest], *, max_run: int = DEFAULT_MAX_RUN) -> FetchResult:
+def fetch_chunks(
+    requests: Sequence[ChunkRequest], *, max_run: int = DEFAULT_MAX_RUN, lend: bool = True
+) -> FetchResult:
     """:meth:`Fetcher.fetch` with a fresh fetcher."""
-    return Fetcher(max_run=max_run).fetch(requests)
+    return Fetcher(max_run=max_run, lend=lend).fetch(requests)
 
 
 __all__ = [

@@ -30,7 +30,7 @@ from shoal.errors import InvalidName, MissingFile, OwnershipError, TierError
 from shoal.tiers.base import Data, FileInfo, Tier, TierCapabilities
 from shoal.tiers.registry import BUILT_IN_TIERS, TIER_CLASSES, read_preference, tier_class
 from shoal.tiers.roles import Role, kind_for
-from shoal.tiers.slabs import MappedSlabs, SlabLike, SlabStore
+from shoal.tiers.slabs import MappedFiles, MappedSlabs, SlabLike, SlabStore
 
 MiB = 1 << 20
 
@@ -411,6 +411,23 @@ class TierTests:
             store.map_slab("nope")
         with pytest.raises(InvalidName):
             store.map_slab("../x")
+
+    def test_a_lent_file_is_its_bytes_read_only(self, tier: Tier) -> None:
+        """A tier that lends its files (:class:`~shoal.tiers.slabs.MappedFiles`): the view is the
+        file's bytes, read-only; an absent file is :class:`~shoal.errors.MissingFile`."""
+        if not isinstance(tier, MappedFiles):
+            pytest.skip(f"{type(tier).__name__} does not lend its files (not a MappedFiles)")
+        data = os.urandom(10_000)
+        tier.write("packs/a.pack", data)
+        tier.write("empty", b"")
+        view = tier.map_file("packs/a.pack")
+        assert view.readonly and bytes(view) == data
+        assert bytes(tier.map_file("empty")) == b""
+        del view
+        with pytest.raises(MissingFile):
+            tier.map_file("packs/nope.pack")
+        with pytest.raises(InvalidName):
+            tier.map_file("../outside")
 
     @pytest.mark.parametrize("name", ["", "../x", "a/b", ".hidden", "a\x00b"])
     def test_slab_names_are_identifiers(self, tier: Tier, name: str) -> None:

@@ -7,7 +7,7 @@
   kind plays each role; :func:`open_role` (:func:`open_host_role` for a host tier at a local
   directory).
 * :mod:`shoal.tiers.slabs`: the slab capability (:class:`SlabStore`, :class:`SlabLike`, and
-  :class:`MappedSlabs` for a slab's bytes without a copy),
+  :class:`MappedSlabs` and :class:`MappedFiles` for a slab's or a host file's bytes without a copy),
   checked with ``isinstance``.
 
 A new tier is one module, one :func:`register_tier` call (one line of
@@ -38,7 +38,7 @@ from shoal.tiers.roles import (
     open_host_role,
     open_role,
 )
-from shoal.tiers.slabs import MappedSlabs, SlabLike, SlabStore
+from shoal.tiers.slabs import MappedFiles, MappedSlabs, SlabLike, SlabStore
 
 __all__ = [
     "AUTO",
@@ -49,6 +49,7 @@ __all__ = [
     "STAGING",
     "TIER_CLASSES",
     "FileInfo",
+    "MappedFiles",
     "MappedSlabs",
     "Role",
     "SlabLike",

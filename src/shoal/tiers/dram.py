@@ -29,15 +29,13 @@ from shoal.errors import InsufficientMemory, InvalidName, MissingFile, Ownership
 from shoal.format.names import check_identifier
 from shoal.tiers.base import TierCapabilities
 from shoal.tiers.files import check_private, ensure_private_dirs, open_private
-from shoal.tiers.local import PosixTier
+from shoal.tiers.local import MAP_POPULATE, PosixTier
 
 log = logging.getLogger(__name__)
 
 SLABS_DIR = "slabs"
 PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if os.uname().sysname == "Linux" else None)
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-"""Populate a read-only mapping's page tables at once (Linux): one call instead of a fault per page."""
 _GIB = float(1 << 30)
 
 
@@ -279,7 +277,7 @@ class DramTier(PosixTier):
                 size = os.fstat(fd).st_size
                 if not size:
                     return memoryview(b"")
-                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | MAP_POPULATE, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
         return memoryview(mapped)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import mmap
 import os
 import stat
 from contextlib import AbstractContextManager, suppress
@@ -41,6 +42,9 @@ from shoal.tiers.files import (
     open_private,
     remove_empty_dirs_below,
 )
+
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""Populate a read-only mapping's page tables at once (Linux): one call instead of a fault per page."""
 
 
 class PosixTier(Tier):
@@ -183,6 +187,22 @@ class PosixTier(Tier):
                     if n <= 0:
                         raise self._short(path, offset, view.nbytes, got)
                     got += n
+            finally:
+                os.close(fd)
+
+    def map_file(self, path: str) -> memoryview:
+        """A read-only view of all of file ``path`` without a copy (:class:`~shoal.tiers.slabs.MappedFiles`),
+        its pages populated at once; the mapping lives as long as the view and its slices. The
+        tier's files are private to this user and replaced by rename, never truncated in place."""
+        target = self._abs(path)
+        with self.translating("map", path, missing=True):
+            fd = open_private(target, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if not size:
+                    return memoryview(b"")
+                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | MAP_POPULATE, prot=mmap.PROT_READ)
+                return memoryview(mapped)
             finally:
                 os.close(fd)
 

@@ -88,6 +88,19 @@ class MappedSlabs(Protocol):
         ...
 
 
+@runtime_checkable
+class MappedFiles(Protocol):
+    """A host tier that also lends a file's bytes without a copy (the ``local`` and ``dram``
+    tiers): a restore then verifies a chunk of a partner copy where it lies and sends it from
+    there, with no buffer of its own. Only a tier private to this host and user lends its files
+    (a mapped file that another process truncated would fault)."""
+
+    def map_file(self, path: str) -> memoryview:
+        """A read-only view of all of file ``path``, valid while it is held;
+        :class:`~shoal.errors.MissingFile` if there is no such file."""
+        ...
+
+
 def require_slabs(tier: object, action: str) -> SlabStore:
     """``tier`` as a :class:`SlabStore`, or :class:`~shoal.errors.ConfigError` saying it keeps no slabs."""
     if not isinstance(tier, SlabStore):
@@ -99,4 +112,4 @@ def require_slabs(tier: object, action: str) -> SlabStore:
     return tier
 
 
-__all__ = ["MappedSlabs", "SlabLike", "SlabStore", "require_slabs"]
+__all__ = ["MappedFiles", "MappedSlabs", "SlabLike", "SlabStore", "require_slabs"]
