@@ -29,7 +29,7 @@ from shoal.errors import InsufficientMemory, InvalidName, MissingFile, Ownership
 from shoal.format.names import check_identifier
 from shoal.tiers.base import TierCapabilities
 from shoal.tiers.files import check_private, ensure_private_dirs, open_private
-from shoal.tiers.local import MAP_POPULATE, PosixTier
+from shoal.tiers.local import PosixTier, map_private_readonly
 
 log = logging.getLogger(__name__)
 
@@ -270,17 +270,8 @@ class DramTier(PosixTier):
         for slab in list(self._slabs):
             if slab.name == name and slab.capacity:
                 return slab.buffer.toreadonly()
-        path = self.slab_path(name)
         with self.translating("map slab", name, missing=True):
-            fd = open_private(path, os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                if not size:
-                    return memoryview(b"")
-                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | MAP_POPULATE, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-        return memoryview(mapped)
+            return map_private_readonly(self.slab_path(name))
 
     def read_slab_into(self, name: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` from slab ``name`` at ``offset`` (what a restarted process reads back)."""

@@ -47,6 +47,19 @@ MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 """Populate a read-only mapping's page tables at once (Linux): one call instead of a fault per page."""
 
 
+def map_private_readonly(target: str) -> memoryview:
+    """All of the private file ``target`` (owner and mode checked, no link followed) mapped
+    read-only, its pages populated at once; the mapping lives as long as the view and its slices."""
+    fd = open_private(target, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            return memoryview(b"")
+        return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | MAP_POPULATE, prot=mmap.PROT_READ))
+    finally:
+        os.close(fd)
+
+
 class PosixTier(Tier):
     """A tier rooted at a local directory; see the module docstring for the commit protocol.
 
@@ -196,15 +209,7 @@ class PosixTier(Tier):
         tier's files are private to this user and replaced by rename, never truncated in place."""
         target = self._abs(path)
         with self.translating("map", path, missing=True):
-            fd = open_private(target, os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                if not size:
-                    return memoryview(b"")
-                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | MAP_POPULATE, prot=mmap.PROT_READ)
-                return memoryview(mapped)
-            finally:
-                os.close(fd)
+            return map_private_readonly(target)
 
     def exists(self, path: str) -> bool:
         try:
