@@ -291,6 +291,20 @@ def test_a_mapped_slab_is_verified_where_it_lies_and_copied_once(
         dram.close()
 
 
+def test_large_chunks_of_a_lent_run_are_checked_ahead_in_a_helper_thread(tier: CountingTier) -> None:
+    """Chunks of 1 MiB and more: the next one's digest is checked while this one is copied; a
+    corrupt one among them still fails alone and never reaches its destination."""
+    mib = 1 << 20
+    pack = write_pack(tier, "big.pack", [mib, mib + 7, mib], seed=4)
+    flip(tier, "big.pack", mib + 100)  # the second chunk
+    reqs, outs = requests_for(pack, SourceFile(tier, "big.pack"))
+    fetcher = Fetcher()
+    result = fetcher.fetch(reqs)
+    assert result.used == [0, None, 0] and isinstance(result.failures[1][0].error, ChecksumMismatch)
+    assert bytes(outs[0]) == pack[0][2] and bytes(outs[2]) == pack[2][2] and outs[1] == bytes(mib + 7)
+    assert fetcher._checker is None  # the helper thread is gone with the fetch
+
+
 def test_a_host_tiers_pack_is_lent_and_a_kept_chunk_is_its_own_bytes(tier: CountingTier) -> None:
     """A pack of a host tier is mapped, not read: its chunks are verified where they lie; one that
     only has to be kept (to send on) comes back as the pack's own bytes, read-only, no copy; a
