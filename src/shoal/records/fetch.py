@@ -21,9 +21,10 @@ destination of a chunk that was never delivered is left as it was.
 
 A slab of a tier that lends its bytes (:class:`~shoal.tiers.slabs.MappedSlabs`: the DRAM tier)
 is not read into the scratch buffer: it is mapped once per fetch, each chunk is verified where
-it lies and copied from there into its destinations, one copy per byte. The digest of the next
-chunk of the run is checked in a helper thread while this one is copied (the hash runs without
-the interpreter lock), so the check costs no time beside the copy where a core is free.
+it lies and copied from there into its destinations, one copy per byte. Where the run's chunks
+are of :data:`OVERLAP_MIN` or more, the digest of the next one is checked in a helper thread
+while this one is copied (the hash runs without the interpreter lock), so the check costs no
+time beside the copy where a core is free; smaller chunks are checked inline.
 """
 
 from __future__ import annotations
