@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import shutil
@@ -237,15 +238,26 @@ def _hindsight(preds: list[Any]) -> dict[str, float]:
     return out
 
 
+STATE_RULES = (
+    "pooled:1", "pooled:2", "pooled:4", "pooled:8", "median:4", "median:8", "median:all", "adaptive",
+)  # fmt: skip
+"""The state rules ``--state choose`` picks among on the training part."""
+
+
 def evaluate(
     data: Mapping[str, Any],
     fraction: float,
-    window: int,
+    window: int | str,
     latency: bool = True,
     target: str = "slowest",
     spread_window: int = 8,
 ) -> dict[str, Any]:
-    """Fit on the first ``fraction`` of the checkpoints in time, predict the rest one by one."""
+    """Fit on the first ``fraction`` of the checkpoints in time, predict the rest one by one.
+
+    ``window``: the state rule (:class:`~shoal.model.states.StateRule`'s text, or an int ``w``
+    for ``pooled:w``); ``"choose"`` (or 0): the one of :data:`STATE_RULES` that predicts the
+    training part best."""
+    from shoal.model.states import StateRule
     from shoal.model.evaluate import (
         calibrated_fit,
         choose_window,
@@ -258,9 +270,15 @@ def evaluate(
     ckpts = checkpoints_of(data)
     train, test = forward_split(ckpts, fraction, key=lambda c: c.start)
     raw, fits = choose_family([s for c in train for s in c.samples], latency=latency)
-    window_mape: dict[int, float] = {}
-    if window < 1:  # chosen on the training checkpoints alone
-        window, window_mape = choose_window(raw, train)
+    window_mape: dict[Any, float] = {}
+    rule: int | StateRule
+    if window in ("choose", 0, "0"):  # chosen on the training checkpoints alone
+        rule, window_mape = choose_window(raw, train, [StateRule.parse(r) for r in STATE_RULES])
+    elif isinstance(window, int) or window.isdigit():
+        rule = int(window)
+    else:
+        rule = StateRule.parse(window)
+    window = rule
     fit = (
         raw
         if target == "none"
@@ -304,19 +322,19 @@ def _print_scores(result: Mapping[str, Any]) -> None:
         f"spreads for predictions from states estimated from recent records ({result['target']}): "
         f"sigma {fit.sigma:.3f}, tau {fit.tau:.3f} (where a state has no spread of its own)"
     )
+    rule = result["window"]
+    rule = f"pooled:{rule}" if isinstance(rule, int) else str(rule)
     if result["window_mape"]:
         tried = ", ".join(f"{w}: {m:.1f}%" for w, m in result["window_mape"].items())
-        print(
-            f"state from the job's last {result['window']} checkpoints (chosen on the training part: {tried})"
-        )
+        print(f"state rule {rule} (chosen on the training part: {tried})")
     else:
-        print(f"state from the job's last {result['window']} checkpoints")
+        print(f"state rule {rule}")
     print()
     print(
         "| regime | test checkpoints | MAPE typical | MdAPE typical | p90 slowest coverage | pinball (s) "
-        "| hindsight floor |"
+        "| hindsight floor | MAPE / floor |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     floor = result["hindsight_mape"]
     rows = [
         *((k, v, floor[k]) for k, v in result["per_regime"].items()),
@@ -325,7 +343,7 @@ def _print_scores(result: Mapping[str, Any]) -> None:
     for name, sc, low in rows:
         print(
             f"| {name} | {sc['n']:.0f} | {sc['mape']:.1f}% | {sc['mdape']:.1f}% | "
-            f"{sc['coverage']:.1%} | {sc['pinball']:.4f} | {low:.1f}% |"
+            f"{sc['coverage']:.1%} | {sc['pinball']:.4f} | {low:.1f}% | {(sc['mape'] / low if low else math.inf):.2f}x |"
         )
     print()
     print(
@@ -426,8 +444,10 @@ def main() -> int:
     parser.add_argument("--only", type=int, default=None, help="the first ONLY configurations (development)")
     parser.add_argument("--fraction", type=float, default=0.5, help="the forward split's training share")
     parser.add_argument(
-        "--window", type=int, default=0,
-        help="previous checkpoints the state comes from (default 0: chosen on the training part)",
+        "--state", "--window", dest="window", default="choose",
+        help="how the tier's state comes from a job's recent checkpoints: pooled:W, median:W, median:all, "
+        "adaptive, or W (pooled:W); default: choose (the best of "
+        + ", ".join(STATE_RULES) + " on the training part)",
     )  # fmt: skip
     parser.add_argument("--plot", default=None, help="write a PNG of predicted against observed here")
     parser.add_argument(

@@ -7,8 +7,9 @@ seconds (:func:`shoal.testing.bench.model_paths.path_run`), one per policy: ``Co
 from the same seed for each, so the three see the same storage. What is reported, per regime:
 
 * **predictability**: mean, p90 and coefficient of variation (CoV) of the time to B2 (safe against
-  a host failure) and to B3 (safe against the cluster) by each policy; ``auto`` over its saves
-  after the model's cold start only (the first ``--warmup`` saves, decided by the rule, are left out);
+  a host failure) and to B3 (safe against the cluster) by each policy, over the saves after the
+  first ``--warmup`` (``auto``'s cold start, decided by the rule; every policy runs them, so
+  every policy counts the same steps);
 * **the conditional criterion**: which fixed path reached B2 sooner on average (the regime's
   winner), how often ``auto`` chose it, and ``auto``'s mean time to B2 against the winner's;
 * **exposure**: the time-integrated rollback exposure of the host and cluster failure classes
@@ -111,7 +112,7 @@ def _run_regime(cluster: Cluster, regime: Regime, args: argparse.Namespace, root
     """The three policies' jobs in one regime, one after another, each under the same load."""
     out: dict[str, Any] = {"regime": asdict(regime), "policies": {}}
     for policy in args.policies.split(","):
-        saves = args.saves + (args.warmup if policy in MODELS else 0)
+        saves = args.saves + args.warmup  # every policy: the same steps count (see _counted)
         job = f"{policy}-{secrets.token_hex(3)}"
         run_args = {
             "bucket": "paths",
@@ -123,6 +124,8 @@ def _run_regime(cluster: Cluster, regime: Regime, args: argparse.Namespace, root
             "interval": args.interval,
             "model_mib": args.model_mib,
             "shard_mib": args.shard_mib if regime.shard_mib is None else regime.shard_mib,
+            "config": {"keep_last": None if args.keep_last == "none" else int(args.keep_last)},
+            "events": args.events,
         }
         loads = (
             [BackgroundLoad(cluster, cluster.spec.hosts - 1, writers=regime.tenants)]
@@ -144,7 +147,7 @@ def _run_regime(cluster: Cluster, regime: Regime, args: argparse.Namespace, root
                 set_storage_rate(cluster, args.storage_mbit)
             for load in loads:
                 load.stop()
-        out["policies"][policy] = ranks[0]
+        out["policies"][policy] = {**ranks[0], "warmup_steps": args.warmup}
         print(f"  {regime.name}: {policy} done", file=sys.stderr, flush=True)
     return out
 
@@ -159,9 +162,18 @@ def _stats(xs: list[float]) -> dict[str, float]:
 
 
 def _counted(run: dict[str, Any], policy: str, warmup: int) -> list[dict[str, Any]]:
-    """The saves that count: every one that reached B4, ``auto``'s after its cold start."""
+    """The saves that count: those after the first ``warmup`` steps that reached B4.
+
+    Every policy runs the same steps and counts the same ones (results saved before 2026-12-06
+    ran the fixed policies without the warm-up: they count all of theirs). The model needs the
+    warm-up for its cold start; the fixed paths run it too because the store's periodic work
+    (a retention pass that yielded to waiting checkpoints four times runs whole on the fifth,
+    and listing the shared tier costs about half a second here) falls on the same steps in
+    every job: counting other steps per policy put one such stall in some windows and not in
+    others."""
     saves = [s for s in run["saves"] if not s["skipped"] and "4" in s["times"]]
-    return saves[warmup:] if policy in MODELS else saves
+    aligned = run.get("warmup_steps", 0) or (warmup if policy in MODELS else 0)
+    return [s for s in saves if s["step"] > aligned]
 
 
 def _exposure(run: dict[str, Any], saves: list[dict[str, Any]]) -> dict[str, float]:
@@ -317,7 +329,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(POLICIES),
         help="comma-separated, of direct, partner, auto, auto-thread (direct, partner and auto always)",
     )
-    ap.add_argument("--warmup", type=int, default=6, help="auto's extra first saves (its cold start)")
+    ap.add_argument("--warmup", type=int, default=6, help="first saves of every policy left out (auto's cold start)")
+    ap.add_argument("--events", action="store_true", help="keep every rank's events in --out (diagnosis)")
+    ap.add_argument(
+        "--keep-last", default="2", help="Config.keep_last of the jobs (none: no retention); default 2"
+    )
     ap.add_argument("--interval", type=float, default=2.5, help="seconds between save calls")
     ap.add_argument("--model-mib", type=int, default=1)
     ap.add_argument("--shard-mib", type=float, default=6.0)

@@ -40,6 +40,7 @@ from typing import IO, Any
 
 from shoal.errors import ConfigError
 from shoal.model.paths import PATHS, PathModel, PathTimes
+from shoal.model.states import StateRule
 
 log = logging.getLogger(__name__)
 
@@ -154,14 +155,14 @@ class ModelWorker:
         self,
         *,
         min_checkpoints: int,
-        state_checkpoints: int,
+        state_rule: str,
         cpu_share: float,
         on_answer: Callable[[dict[str, Any]], None],
         on_exit: Callable[[str], None],
     ) -> None:
         self.args = [
             "--min-checkpoints", str(min_checkpoints),
-            "--state-checkpoints", str(state_checkpoints),
+            "--state-rule", state_rule,
             "--cpu-share", repr(cpu_share),
         ]  # fmt: skip
         self.on_answer = on_answer
@@ -269,14 +270,14 @@ def _nice() -> int | None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shoal.engine.path_worker")
     parser.add_argument("--min-checkpoints", type=int, required=True)
-    parser.add_argument("--state-checkpoints", type=int, required=True)
+    parser.add_argument("--state-rule", required=True, help="the model's StateRule, as text")
     parser.add_argument("--cpu-share", type=float, required=True)
     args = parser.parse_args(argv)
     with contextlib.suppress(AttributeError, OSError):  # where it cannot, the share still bounds it
         os.nice(19)
     parent = os.getppid()
     pacer = Pacer(args.cpu_share, alive=lambda: os.getppid() == parent)
-    model = PathModel(state_checkpoints=args.state_checkpoints, min_checkpoints=args.min_checkpoints)
+    model = PathModel(state_rule=StateRule.parse(args.state_rule), min_checkpoints=args.min_checkpoints)
     serve(sys.stdin, sys.stdout, model, pacer)
     return 0
 

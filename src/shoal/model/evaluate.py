@@ -20,7 +20,8 @@ from typing import TypeVar
 import numpy as np
 
 from shoal.errors import ConfigError
-from shoal.model.writers import TierState, WriterFit, WriterSample, calibrate_spread, estimate_state
+from shoal.model.states import StateEstimator, StateRule
+from shoal.model.writers import TierState, WriterFit, WriterSample, calibrate_spread
 
 __all__ = [
     "Checkpoint",
@@ -157,24 +158,32 @@ MIN_SPREAD = 0.02
 """The least spread of g a state's own records may set (a few quiet checkpoints prove no calm)."""
 
 
+def _rule(window: int | StateRule) -> StateRule:
+    """A window of checkpoints (the writers of the last ``window`` pooled) or a rule, as a rule."""
+    return window if isinstance(window, StateRule) else StateRule("pooled", window)
+
+
 def _states(
     fit: WriterFit,
     checkpoints: Sequence[Checkpoint],
     pool: Sequence[Checkpoint],
-    window: int,
+    window: int | StateRule,
     spread_window: int = 0,
 ) -> list[tuple[Checkpoint, TierState]]:
     """Each of ``checkpoints`` with a history in ``pool``, and the state its history gives.
 
-    With ``spread_window`` the state also carries the spread of g its job's recent predictions
+    The state comes from the job's checkpoints in ``pool`` that ended before it started, by
+    ``window`` (:class:`~shoal.model.states.StateRule`; an int ``w``: ``pooled:w``). With
+    ``spread_window`` the state also carries the spread of g its job's recent predictions
     showed (:func:`_spread`), when at least 3 of its last ``spread_window`` checkpoints were
     themselves predicted."""
+    estimator = StateEstimator(fit, _rule(window))
     residuals: dict[int, tuple[float, int] | None] = {}
 
     def rate_state(c: Checkpoint) -> TierState | None:
-        """``b_shared`` from ``c``'s job's last ``window`` checkpoints (None: no history)."""
-        past = history(pool, c, window)
-        return estimate_state(fit, [s for p in past for s in p.samples]) if past else None
+        """The state ``c``'s job's history gives (None: no history)."""
+        past = history(pool, c, len(pool))
+        return estimator.state([p.samples for p in past]) if past else None
 
     def residual(c: Checkpoint) -> tuple[float, int] | None:
         """ln(observed / predicted) of ``c``'s typical writer, and its writers (None: no history)."""
@@ -215,14 +224,14 @@ def calibrated_fit(
     fit: WriterFit,
     train: Sequence[Checkpoint],
     *,
-    window: int,
+    window: int | StateRule,
     target: str = "writers",
     spread_window: int = 0,
 ) -> WriterFit:
     """``fit`` with the spread of its shared term as a forward prediction over ``train`` sees it.
 
-    Each training checkpoint with a history gets the state its job's previous ``window``
-    checkpoints give (:func:`~shoal.model.writers.estimate_state`), and ``tau`` is refitted
+    Each training checkpoint with a history gets the state its job's previous checkpoints give
+    by ``window`` (a :class:`~shoal.model.states.StateRule`, or ``w`` for ``pooled:w``), and ``tau`` is refitted
     around those states (:func:`~shoal.model.writers.calibrate_spread`, with its ``target``:
     every writer, or each checkpoint's slowest, which refits ``sigma`` too): the predicted
     quantiles then carry the error of a state estimated from a few recent records, as
@@ -244,19 +253,23 @@ def calibrated_fit(
 
 
 def choose_window(
-    fit: WriterFit, train: Sequence[Checkpoint], windows: Sequence[int] = (1, 2, 4, 8)
-) -> tuple[int, dict[int, float]]:
+    fit: WriterFit,
+    train: Sequence[Checkpoint],
+    windows: Sequence[int | StateRule] = (1, 2, 4, 8),
+) -> tuple[int | StateRule, dict[int | StateRule, float]]:
     """The history length whose states predict ``train``'s typical writers best (lowest MAPE).
 
     How many recent checkpoints the tier's state should come from is a trade: few follow a
     change of load or weather sooner, many average out each checkpoint's shared luck ``g``.
     Which wins depends on how fast the tier changes, which only its records tell: each window
     is scored by the MAPE of the typical writer over the training checkpoints, each predicted
-    from its own job's previous ones. Returns the best window and every window's MAPE.
+    from its own job's previous ones. ``windows`` may also hold
+    :class:`~shoal.model.states.StateRule` s (an int ``w`` is ``pooled:w``). Returns the best
+    window and every window's MAPE.
     """
-    if not windows or min(windows) < 1:
+    if not windows or min((w for w in windows if isinstance(w, int)), default=1) < 1:
         raise ConfigError(f"windows must be history lengths >= 1, got {list(windows)!r}")
-    scores = {}
+    scores: dict[int | StateRule, float] = {}
     for w in windows:
         pairs = _states(fit, train, train, w)
         if pairs:
@@ -264,7 +277,8 @@ def choose_window(
             scores[w] = mape(predicted, [c.typical_seconds for c, _ in pairs])
     if not scores:
         raise ConfigError("no training checkpoint has a history to predict it from")
-    return min(scores, key=lambda w: (scores[w], w)), scores
+    order = {w: i for i, w in enumerate(windows)}
+    return min(scores, key=lambda w: (scores[w], order[w])), scores
 
 
 def forward_predictions(
@@ -272,15 +286,16 @@ def forward_predictions(
     tests: Sequence[Checkpoint],
     seen: Sequence[Checkpoint],
     *,
-    window: int,
+    window: int | StateRule,
     q: float = 0.9,
     spread_window: int = 0,
 ) -> list[Prediction]:
     """Predict each of ``tests`` as a running job would, just before it started.
 
-    The tier's state comes from :func:`~shoal.model.writers.estimate_state` over the job's last
-    ``window`` checkpoints that ended before the test began (from ``seen`` and ``tests``
-    alike: by then they were the job's own history); a checkpoint with no such history is left
+    The tier's state comes from the job's checkpoints that ended before the test began (from
+    ``seen`` and ``tests`` alike: by then they were the job's own history), by ``window`` (a
+    :class:`~shoal.model.states.StateRule`; an int ``w``: the writers of the last ``w`` pooled,
+    :func:`~shoal.model.writers.estimate_state`); a checkpoint with no such history is left
     out. Predicts the typical writer (median size, the checkpoint's writer count) and the ``q``
     quantile of the slowest of its writers. With ``spread_window`` the state also carries the
     spread of g the job's last ``spread_window`` predictions showed (when there were 3 or more).

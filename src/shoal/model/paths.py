@@ -11,7 +11,7 @@ A checkpoint's time to B2 (safe against a host failure), from the save call, is 
 
 The writers follow :mod:`shoal.model.writers` (one :class:`~shoal.model.writers.WriterFit` per
 path: the shared tier's for ``direct``, the fabric-and-host-tier's for ``partner``), each with
-the tier's present state estimated from the newest checkpoints (:func:`estimate_state`); ``pre``
+the tier's present state estimated from the newest checkpoints (:mod:`shoal.model.states`); ``pre``
 and the overheads are the medians of what recent checkpoints showed. The ``q`` quantile of the
 time to B2 is then ``pre + overhead + Q_q(slowest of the writers)``, the writers' sizes those of the
 newest checkpoint scaled to the bytes of this one.
@@ -34,7 +34,8 @@ from typing import Any
 
 from shoal.errors import ConfigError
 from shoal.model.plain import from_plain, to_plain
-from shoal.model.writers import TierState, WriterFit, WriterSample, estimate_state, fit_writers
+from shoal.model.states import StateEstimator, StateRule
+from shoal.model.writers import TierState, WriterFit, WriterSample, fit_writers
 
 __all__ = ["PATHS", "PathModel", "PathPrediction", "PathTimes"]
 
@@ -185,7 +186,9 @@ class PathPrediction:
 class PathModel:
     """Writer fits per path over a window of recent checkpoints; predicts either path's time to B2.
 
-    ``state_checkpoints``: how many of the newest checkpoints set the tier's present state.
+    ``state_checkpoints``: how many of the newest checkpoints set the tier's present state
+    (``pooled:state_checkpoints``) where ``state_rule`` is None; ``state_rule``: how the tier's
+    present state comes from the job's checkpoints (:class:`~shoal.model.states.StateRule`).
     ``min_checkpoints``: checkpoints with writers a path's fit needs before it predicts.
     ``pace``: called before every evaluation of a likelihood in a fit or a state estimate (a
     caller that bounds the model's CPU share sleeps there); None: never.
@@ -195,6 +198,14 @@ class PathModel:
     min_checkpoints: int = 4
     fits: dict[str, WriterFit] = field(default_factory=dict)
     pace: Callable[[], None] | None = None
+    state_rule: StateRule | None = None
+    _estimators: dict[str, StateEstimator] = field(default_factory=dict, init=False, repr=False)
+    """Per path, the state estimator of its current fit (it remembers each checkpoint's estimate)."""
+
+    @property
+    def rule(self) -> StateRule:
+        """The state rule in force."""
+        return self.state_rule or StateRule("pooled", self.state_checkpoints)
 
     def refit(self, history: Sequence[PathTimes]) -> None:
         """Fit each path's writers to ``history`` (oldest first); a path with too few keeps its fit."""
@@ -209,12 +220,17 @@ class PathModel:
         return path in self.fits
 
     def tier_state(self, path: str, history: Sequence[PathTimes]) -> TierState:
-        """``path``'s tier state now: ``b_shared`` refitted over its newest ``state_checkpoints``."""
+        """``path``'s tier state now, from its writers in ``history`` by :attr:`rule`."""
         fit = self._fit_of(path)
-        samples = _samples(history, path)
-        newest = sorted({s.checkpoint for s in samples})[-self.state_checkpoints :]
-        recent = [s for s in samples if s.checkpoint in newest]
-        return estimate_state(fit, recent, pace=self.pace) if recent else fit.state()
+        estimator = self._estimators.get(path)
+        if estimator is None or estimator.fit is not fit:
+            estimator = StateEstimator(fit, self.rule, pace=self.pace)
+            self._estimators[path] = estimator
+        per_checkpoint: dict[int, list[WriterSample]] = {}
+        for s in _samples(history, path):
+            per_checkpoint.setdefault(s.checkpoint, []).append(s)
+        state = estimator.state([per_checkpoint[k] for k in sorted(per_checkpoint)])
+        return state if state is not None else fit.state()
 
     def predict(
         self,

@@ -1,0 +1,180 @@
+"""The tier's present state from a job's own recent checkpoints (docs/design.md section 7).
+
+A prediction needs ``b_shared`` now (:class:`~shoal.model.writers.TierState`): what the tier
+gives all writers together under the other tenants' present load. A job sees it only through
+its own checkpoints. How many of them to use is a trade: the newest alone follows a step in
+the weather at once but carries that checkpoint's own luck (``g``) into the next prediction;
+many average the luck out but lag a step. Which wins depends on the tier, so a
+:class:`StateRule` names one way, and ``adaptive`` picks among several as the job goes:
+
+* ``pooled:W``: ``b_shared`` refitted over the writers of the last ``W`` checkpoints together
+  (:func:`~shoal.model.writers.estimate_state`);
+* ``median:W``: each checkpoint's own ``b_shared`` (estimated from its writers alone, once),
+  and the median of the last ``W`` of them in log space (``median:all``: of every one the job
+  has): one unlucky checkpoint moves it not at all;
+* ``adaptive``: for every checkpoint, the candidate rules (:data:`ADAPTIVE_CANDIDATES`) whose
+  forward predictions of the job's own last :data:`ADAPTIVE_LOOKBACK` checkpoints (each from
+  the ones before it) had the least mean absolute log error; the first candidate until two of
+  its errors are known. Only what the job has seen decides.
+
+:class:`StateEstimator` applies a rule to a job's history (oldest first) and remembers each
+checkpoint's own estimate and each candidate's predictions, so a running job pays for one new
+estimate per checkpoint. Pure: numbers in, numbers out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from shoal.errors import ConfigError
+from shoal.model.writers import TierState, WriterFit, WriterSample, estimate_state
+
+__all__ = ["ADAPTIVE_CANDIDATES", "ADAPTIVE_LOOKBACK", "StateEstimator", "StateRule"]
+
+ALL = 0
+"""A rule's window that means every checkpoint the job has."""
+
+
+@dataclass(frozen=True)
+class StateRule:
+    """One way to estimate the tier's state from a job's recent checkpoints (see the module)."""
+
+    how: str = "pooled"
+    """``pooled``, ``median`` or ``adaptive``."""
+    window: int = 2
+    """Checkpoints it looks back over (``ALL``, 0: every one); unused by ``adaptive``."""
+
+    def __post_init__(self) -> None:
+        if self.how not in ("pooled", "median", "adaptive"):
+            raise ConfigError(f"a state rule is pooled, median or adaptive, got {self.how!r}")
+        if self.window < 0 or (self.how == "pooled" and self.window == ALL):
+            raise ConfigError(f"a {self.how} state rule needs a window >= 1, got {self.window!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> StateRule:
+        """``"pooled:2"``, ``"median:4"``, ``"median:all"`` or ``"adaptive"``."""
+        how, _, window = text.strip().partition(":")
+        if how == "adaptive":
+            if window:
+                raise ConfigError(f"the adaptive state rule takes no window, got {text!r}")
+            return cls("adaptive", ALL)
+        if window == "all":
+            return cls(how, ALL)
+        try:
+            size = int(window)
+        except ValueError:
+            size = None
+        if how not in ("pooled", "median") or size is None:
+            raise ConfigError(
+                f"a state rule is 'pooled:W', 'median:W', 'median:all' or 'adaptive', got {text!r}"
+            )
+        return cls(how, size)
+
+    def __str__(self) -> str:
+        if self.how == "adaptive":
+            return "adaptive"
+        return f"{self.how}:{'all' if self.window == ALL else self.window}"
+
+
+ADAPTIVE_CANDIDATES = (
+    StateRule("median", 4),
+    StateRule("pooled", 1),
+    StateRule("pooled", 2),
+    StateRule("median", 8),
+    StateRule("median", ALL),
+)
+"""What ``adaptive`` chooses among, its default first."""
+ADAPTIVE_LOOKBACK = 6
+"""How many of the job's newest checkpoints ``adaptive`` scores the candidates on."""
+
+
+def _key(samples: Sequence[WriterSample]) -> int:
+    return samples[0].checkpoint
+
+
+def _typical_size(samples: Sequence[WriterSample]) -> float:
+    return float(np.median([s.nbytes for s in samples]))
+
+
+def _typical_seconds(samples: Sequence[WriterSample]) -> float:
+    return float(np.median([s.seconds for s in samples]))
+
+
+def _writers(samples: Sequence[WriterSample]) -> int:
+    return max(s.writers for s in samples)
+
+
+class StateEstimator:
+    """A rule applied to one fit: :meth:`state` of a job from its checkpoints so far.
+
+    ``history`` arguments are a job's checkpoints oldest first, each its writers' samples (one
+    :attr:`~shoal.model.writers.WriterSample.checkpoint` each: the estimator remembers its work
+    by it, so a number must not be reused for other records under the same estimator).
+    ``pace``: as :func:`~shoal.model.writers.estimate_state`'s.
+    """
+
+    def __init__(
+        self, fit: WriterFit, rule: StateRule, *, pace: Callable[[], None] | None = None
+    ) -> None:
+        self.fit = fit
+        self.rule = rule
+        self.pace = pace
+        self._own: dict[int, float] = {}
+        """Per checkpoint, ln b_shared from its own writers."""
+        self._errors: dict[tuple[StateRule, int], float | None] = {}
+        """Per candidate and checkpoint, |ln(observed / predicted)| of its typical writer."""
+        self.last_choice: StateRule | None = None
+        """The rule ``adaptive`` used for the newest state (else the rule itself)."""
+
+    def state(self, history: Sequence[Sequence[WriterSample]]) -> TierState | None:
+        """The tier state for the job's next checkpoint (None: no history yet)."""
+        history = [h for h in history if h]
+        if not history:
+            return None
+        rule = self._choose(history) if self.rule.how == "adaptive" else self.rule
+        self.last_choice = rule
+        return self._apply(rule, history)
+
+    def own(self, samples: Sequence[WriterSample]) -> float:
+        """ln b_shared that one checkpoint's writers alone give (remembered)."""
+        key = _key(samples)
+        value = self._own.get(key)
+        if value is None:
+            value = math.log(estimate_state(self.fit, samples, pace=self.pace).b_shared)
+            self._own[key] = value
+        return value
+
+    def _apply(self, rule: StateRule, history: Sequence[Sequence[WriterSample]]) -> TierState:
+        if rule.how == "pooled":
+            recent = [s for h in history[-rule.window :] for s in h]
+            return estimate_state(self.fit, recent, pace=self.pace)
+        window = history if rule.window == ALL else history[-rule.window :]
+        return TierState(math.exp(float(np.median([self.own(h) for h in window]))))
+
+    def _error(self, rule: StateRule, history: Sequence[Sequence[WriterSample]], k: int) -> float | None:
+        """How far ``rule``, from ``history[:k]``, was from checkpoint ``k``'s typical writer."""
+        key = (rule, _key(history[k]))
+        if key not in self._errors:
+            target = history[k]
+            error = None
+            if k > 0:
+                state = self._apply(rule, history[:k])
+                predicted = self.fit.typical(_typical_size(target), _writers(target), state)
+                error = abs(math.log(_typical_seconds(target) / predicted))
+            self._errors[key] = error
+        return self._errors[key]
+
+    def _choose(self, history: Sequence[Sequence[WriterSample]]) -> StateRule:
+        first = range(max(1, len(history) - ADAPTIVE_LOOKBACK), len(history))
+        scores: dict[StateRule, float] = {}
+        for rule in ADAPTIVE_CANDIDATES:
+            errors = [e for k in first if (e := self._error(rule, history, k)) is not None]
+            if len(errors) >= 2:
+                scores[rule] = float(np.mean(errors))
+        if not scores:
+            return ADAPTIVE_CANDIDATES[0]
+        return min(ADAPTIVE_CANDIDATES, key=lambda r: scores.get(r, math.inf))

@@ -1,0 +1,96 @@
+"""The tier's state from a job's own checkpoints: each rule, and the adaptive choice among them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import shoal.model.states as states_mod
+from shoal.errors import ConfigError
+from shoal.model.states import ADAPTIVE_CANDIDATES, StateEstimator, StateRule
+from shoal.model.writers import WriterFit, WriterSample
+
+MB = 1e6
+MODEL = WriterFit("lognormal", 50 * MB, 200 * MB, 0.05, 0.05, 0.0, 0)
+
+
+def _checkpoint(cid: int, b_shared: float, writers: int = 8, seed: int = 0) -> tuple[WriterSample, ...]:
+    """One checkpoint of ``writers`` writers of 8 MB drawn from MODEL with the tier at ``b_shared``."""
+    rng = np.random.default_rng(seed * 7919 + cid)
+    true = WriterFit("lognormal", MODEL.b_client, b_shared, MODEL.sigma, MODEL.tau, 0.0, 0)
+    return tuple(
+        WriterSample(cid, s.nbytes, s.seconds, writers, s.seconds) for s in true.simulate(rng, [8 * MB] * writers, 1)
+    )
+
+
+@pytest.mark.parametrize("text", ["pooled:2", "median:4", "median:all", "adaptive"])
+def test_a_rule_reads_back_from_its_text(text: str) -> None:
+    assert str(StateRule.parse(text)) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [("pooled:all", "window >= 1"), ("mean:3", "is .pooled:W."), ("median:x", "is 'pooled:W'"),
+     ("adaptive:3", "takes no window"), ("pooled:-1", "window >= 1")],
+)  # fmt: skip
+def test_a_bad_rule_says_what_was_wrong(text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        StateRule.parse(text)
+
+
+def test_no_history_gives_no_state() -> None:
+    assert StateEstimator(MODEL, StateRule.parse("median:4")).state([]) is None
+
+
+def test_the_median_rule_is_not_moved_by_one_unlucky_checkpoint() -> None:
+    history = [_checkpoint(k, 200 * MB) for k in range(4)] + [_checkpoint(4, 60 * MB)]
+    median = StateEstimator(MODEL, StateRule.parse("median:4")).state(history)
+    newest = StateEstimator(MODEL, StateRule.parse("pooled:1")).state(history)
+    assert median is not None and newest is not None
+    assert median.b_shared == pytest.approx(200 * MB, rel=0.1)
+    assert newest.b_shared == pytest.approx(60 * MB, rel=0.1)
+
+
+def test_each_checkpoints_own_estimate_is_made_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = states_mod.estimate_state
+    monkeypatch.setattr(states_mod, "estimate_state", lambda *a, **k: calls.append(1) or real(*a, **k))
+    estimator = StateEstimator(MODEL, StateRule.parse("median:all"))
+    history = [_checkpoint(k, 200 * MB) for k in range(6)]
+    for n in range(1, 7):
+        estimator.state(history[:n])
+    assert len(calls) == 6
+
+
+def test_adaptive_follows_a_step_that_a_long_median_lags() -> None:
+    # 10 checkpoints at 200 MB/s, then the other tenants take 60% of the tier for good
+    history = [_checkpoint(k, 200 * MB) for k in range(10)] + [_checkpoint(k, 80 * MB) for k in range(10, 15)]
+    adaptive = StateEstimator(MODEL, StateRule.parse("adaptive"))
+    state = adaptive.state(history)
+    lagging = StateEstimator(MODEL, StateRule.parse("median:all")).state(history)
+    assert state is not None and lagging is not None
+    assert state.b_shared == pytest.approx(80 * MB, rel=0.15)
+    assert lagging.b_shared > 150 * MB
+    assert adaptive.last_choice is not None and adaptive.last_choice.window in (1, 2, 4)
+
+
+def test_adaptive_keeps_its_default_until_it_has_seen_enough() -> None:
+    adaptive = StateEstimator(MODEL, StateRule.parse("adaptive"))
+    adaptive.state([_checkpoint(0, 200 * MB), _checkpoint(1, 200 * MB)])
+    assert adaptive.last_choice == ADAPTIVE_CANDIDATES[0]
+
+
+def test_in_a_steady_tier_adaptive_predicts_as_well_as_the_best_candidate() -> None:
+    history = [_checkpoint(k, 150 * MB, seed=3) for k in range(30)]
+    errors: dict[str, list[float]] = {}
+    for text in ("adaptive", "pooled:1", "median:all"):
+        estimator = StateEstimator(MODEL, StateRule.parse(text))
+        for k in range(8, 30):
+            state = estimator.state(history[:k])
+            assert state is not None
+            typical = float(np.median([s.seconds for s in history[k]]))
+            errors.setdefault(text, []).append(abs(math.log(typical / MODEL.typical(8 * MB, 8, state))))
+    mean = {k: float(np.mean(v)) for k, v in errors.items()}
+    assert mean["adaptive"] <= 1.15 * min(mean["pooled:1"], mean["median:all"])
