@@ -10,9 +10,10 @@ Collective, on the background fabric, every rank in the same order:
                              coordinator plans the reads, every rank the deliveries
  R4   broadcast read plan    who reads which chunk from where, in order
   -   read + verify          every chunk against its BLAKE3 digest
- R5   gather failures        chunks whose every local source failed: planned
- R4'  broadcast repairs      again on another host (or the error naming the item
-                             and every source tried); until none fail
+ R5   all-gather failures    chunks whose every local source failed (none: done,
+                             no R4'); the coordinator plans them again on another
+ R4'  broadcast repairs      host (or the error naming the item and every source
+                             tried); until none fail
   -   exchange               readers send verified chunks once to every host
                              needing them, relays spread them inside the host
                              (:mod:`shoal.group.exchange`); receivers verify
@@ -341,10 +342,13 @@ class Restore:
             for reader, reads in plan.reads.items():
                 for r in reads:
                     reader_of[r.digest] = reader
-            failures = ctx.fabric.gather(failed)  # R5
+            # R5 on every rank: where nothing failed anywhere (the usual case) no repair plan
+            # needs to be broadcast, so a clean load pays one collective here, not two.
+            failures = ctx.fabric.all_gather(failed)
+            if not any(failures):
+                return reader_of
             repair: ReadPlan | Exception | None = None
             if ctx.fabric.is_coordinator:
-                assert failures is not None
                 repair = self._guarded(lambda p=plan, f=failures: self._replan(p, f))
             repair = self._agree(repair)  # R4'
             if not repair.reads:
