@@ -188,7 +188,8 @@ class PathModel:
 
     ``state_checkpoints``: how many of the newest checkpoints set the tier's present state
     (``pooled:state_checkpoints``) where ``state_rule`` is None; ``state_rule``: how the tier's
-    present state comes from the job's checkpoints (:class:`~shoal.model.states.StateRule`).
+    present state comes from the job's checkpoints (:class:`~shoal.model.states.StateRule`;
+    ``adaptive`` by default: it had the lowest error on the fidelity sweep's training half).
     ``min_checkpoints``: checkpoints with writers a path's fit needs before it predicts.
     ``pace``: called before every evaluation of a likelihood in a fit or a state estimate (a
     caller that bounds the model's CPU share sleeps there); None: never.
@@ -198,7 +199,7 @@ class PathModel:
     min_checkpoints: int = 4
     fits: dict[str, WriterFit] = field(default_factory=dict)
     pace: Callable[[], None] | None = None
-    state_rule: StateRule | None = None
+    state_rule: StateRule | None = StateRule("adaptive", 0)
     _estimators: dict[str, StateEstimator] = field(default_factory=dict, init=False, repr=False)
     """Per path, the state estimator of its current fit (it remembers each checkpoint's estimate)."""
 

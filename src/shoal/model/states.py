@@ -14,8 +14,9 @@ many average the luck out but lag a step. Which wins depends on the tier, so a
   has): one unlucky checkpoint moves it not at all;
 * ``adaptive``: for every checkpoint, the candidate rules (:data:`ADAPTIVE_CANDIDATES`) whose
   forward predictions of the job's own last :data:`ADAPTIVE_LOOKBACK` checkpoints (each from
-  the ones before it) had the least mean absolute log error; the first candidate until two of
-  its errors are known. Only what the job has seen decides.
+  the ones before it) had the least mean absolute log error; the longest memory until two of
+  their errors are known. Only what the job has seen decides. It is
+  :class:`~shoal.model.paths.PathModel`'s rule.
 
 :class:`StateEstimator` applies a rule to a job's history (oldest first) and remembers each
 checkpoint's own estimate and each candidate's predictions, so a running job pays for one new
@@ -81,13 +82,13 @@ class StateRule:
 
 
 ADAPTIVE_CANDIDATES = (
-    StateRule("median", 4),
-    StateRule("pooled", 1),
-    StateRule("pooled", 2),
-    StateRule("median", 8),
     StateRule("median", ALL),
+    StateRule("median", 8),
+    StateRule("median", 4),
+    StateRule("pooled", 2),
+    StateRule("pooled", 1),
 )
-"""What ``adaptive`` chooses among, its default first."""
+"""What ``adaptive`` chooses among, the longest memory first (its default, and the choice on a tie)."""
 ADAPTIVE_LOOKBACK = 6
 """How many of the job's newest checkpoints ``adaptive`` scores the candidates on."""
 
