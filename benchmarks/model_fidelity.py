@@ -257,7 +257,6 @@ def evaluate(
     ``window``: the state rule (:class:`~shoal.model.states.StateRule`'s text, or an int ``w``
     for ``pooled:w``); ``"choose"`` (or 0): the one of :data:`STATE_RULES` that predicts the
     training part best."""
-    from shoal.model.states import StateRule
     from shoal.model.evaluate import (
         calibrated_fit,
         choose_window,
@@ -265,6 +264,7 @@ def evaluate(
         forward_split,
         prediction_scores,
     )
+    from shoal.model.states import StateRule
     from shoal.model.writers import choose_family
 
     ckpts = checkpoints_of(data)
@@ -341,9 +341,10 @@ def _print_scores(result: Mapping[str, Any]) -> None:
         ("**all**", result["overall"], floor["all"]),
     ]
     for name, sc, low in rows:
+        ratio = sc["mape"] / low if low else math.inf
         print(
             f"| {name} | {sc['n']:.0f} | {sc['mape']:.1f}% | {sc['mdape']:.1f}% | "
-            f"{sc['coverage']:.1%} | {sc['pinball']:.4f} | {low:.1f}% | {(sc['mape'] / low if low else math.inf):.2f}x |"
+            f"{sc['coverage']:.1%} | {sc['pinball']:.4f} | {low:.1f}% | {ratio:.2f}x |"
         )
     print()
     print(

@@ -329,7 +329,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(POLICIES),
         help="comma-separated, of direct, partner, auto, auto-thread (direct, partner and auto always)",
     )
-    ap.add_argument("--warmup", type=int, default=6, help="first saves of every policy left out (auto's cold start)")
+    ap.add_argument(
+        "--warmup", type=int, default=6, help="first saves of every policy left out (auto's cold start)"
+    )
     ap.add_argument("--events", action="store_true", help="keep every rank's events in --out (diagnosis)")
     ap.add_argument(
         "--keep-last", default="2", help="Config.keep_last of the jobs (none: no retention); default 2"

@@ -21,7 +21,8 @@ def _checkpoint(cid: int, b_shared: float, writers: int = 8, seed: int = 0) -> t
     rng = np.random.default_rng(seed * 7919 + cid)
     true = WriterFit("lognormal", MODEL.b_client, b_shared, MODEL.sigma, MODEL.tau, 0.0, 0)
     return tuple(
-        WriterSample(cid, s.nbytes, s.seconds, writers, s.seconds) for s in true.simulate(rng, [8 * MB] * writers, 1)
+        WriterSample(cid, s.nbytes, s.seconds, writers, s.seconds)
+        for s in true.simulate(rng, [8 * MB] * writers, 1)
     )
 
 

@@ -231,9 +231,10 @@ def calibrated_fit(
     """``fit`` with the spread of its shared term as a forward prediction over ``train`` sees it.
 
     Each training checkpoint with a history gets the state its job's previous checkpoints give
-    by ``window`` (a :class:`~shoal.model.states.StateRule`, or ``w`` for ``pooled:w``), and ``tau`` is refitted
-    around those states (:func:`~shoal.model.writers.calibrate_spread`, with its ``target``:
-    every writer, or each checkpoint's slowest, which refits ``sigma`` too): the predicted
+    by ``window`` (a :class:`~shoal.model.states.StateRule`, or ``w`` for ``pooled:w``), and
+    ``tau`` is refitted around those states (:func:`~shoal.model.writers.calibrate_spread`,
+    with its ``target``: every writer, or each checkpoint's slowest, which refits ``sigma``
+    too): the predicted
     quantiles then carry the error of a state estimated from a few recent records, as
     :func:`forward_predictions` uses them. ``fit`` itself is returned when no checkpoint has a
     history. With ``spread_window`` (and ``target="slowest"``), ``sigma`` is then refitted once

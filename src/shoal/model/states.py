@@ -118,9 +118,7 @@ class StateEstimator:
     ``pace``: as :func:`~shoal.model.writers.estimate_state`'s.
     """
 
-    def __init__(
-        self, fit: WriterFit, rule: StateRule, *, pace: Callable[[], None] | None = None
-    ) -> None:
+    def __init__(self, fit: WriterFit, rule: StateRule, *, pace: Callable[[], None] | None = None) -> None:
         self.fit = fit
         self.rule = rule
         self.pace = pace
