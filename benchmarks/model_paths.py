@@ -51,6 +51,9 @@ from shoal.testing.cluster.load import BackgroundLoad, Weather, set_storage_rate
 
 POLICIES = ("direct", "partner", "auto")
 MODELS = ("auto", "auto-thread")
+AGAIN = "-again"
+"""A fixed policy's name with this suffix (``partner-again``) runs the same path as another job:
+the two jobs' difference is the noise any comparison of two jobs in the regime carries."""
 """The model's policies: ``auto`` (its updates in a worker process, the default) and ``auto-thread``
 (``ModelPolicy(worker="thread")``: its updates in a thread of the coordinator, as before the
 worker process; ``--policies`` adds it, to compare the two)."""
@@ -119,7 +122,7 @@ def _run_regime(cluster: Cluster, regime: Regime, args: argparse.Namespace, root
             "job": job,
             "dram_root": os.path.join(root, "dram", job),
             "local_root": os.path.join(root, "local", job),
-            "path": policy,
+            "path": policy.removesuffix(AGAIN),
             "saves": saves,
             "interval": args.interval,
             "model_mib": args.model_mib,
@@ -216,6 +219,10 @@ def decision_costs(run: dict[str, Any], saves: list[dict[str, Any]]) -> dict[str
     }
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("inf")
+
+
 def summarize(results: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
     """One row per regime: each policy's B2/B3 statistics and exposure, the winner, and per model
     policy (``auto``, ``auto-thread``) how often it chose the winner, its B2 against the winner's
@@ -243,6 +250,17 @@ def summarize(results: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]
                 "cov_vs_best": b2["cov"] / best["cov"] if best["cov"] else float("inf"),
                 "cost": decision_costs(r["policies"][model], _counted(r["policies"][model], model, warmup)),
             }
+        row["controls"] = {
+            path: {
+                "mean": p[path + AGAIN]["b2"]["mean"] / p[path]["b2"]["mean"],
+                "p90": p[path + AGAIN]["b2"]["p90"] / p[path]["b2"]["p90"],
+                "cov": p[path + AGAIN]["b2"]["cov"] / p[path]["b2"]["cov"]
+                if p[path]["b2"]["cov"]
+                else float("inf"),
+            }
+            for path in ("direct", "partner")
+            if path + AGAIN in p
+        }
         row["auto_picks_winner"] = row["models"]["auto"]["picks_winner"]
         row["auto_vs_best"] = row["models"]["auto"]["mean_vs_best"]
         rows.append(row)
@@ -276,6 +294,15 @@ def _print(rows: list[dict[str, Any]]) -> None:
                 f"{m['mean_vs_best']:.3f} | {m['p90_vs_best']:.3f} | {m['cov_vs_best']:.3f} | {ratio:.1f}x |"
             )
     print()
+    if any(row["controls"] for row in rows):
+        print("the same fixed path in two jobs (``-again`` / the first): the noise between two jobs")
+        print()
+        print("| regime | path | mean B2 | p90 | CoV |")
+        print("|---|---|---:|---:|---:|")
+        for row in rows:
+            for path, c in row["controls"].items():
+                print(f"| {row['regime']} | {path} | {c['mean']:.3f} | {c['p90']:.3f} | {c['cov']:.3f} |")
+        print()
     print(
         "| regime | model | decision mean ms | max ms | update CPU s: refit | without | update wall s | "
         "stale decisions | where |"
@@ -327,7 +354,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--policies",
         default=",".join(POLICIES),
-        help="comma-separated, of direct, partner, auto, auto-thread (direct, partner and auto always)",
+        help="comma-separated, of direct, partner, auto, auto-thread, direct-again, partner-again "
+        "(a second job of that path: the noise between two jobs); direct, partner and auto always",
     )
     ap.add_argument(
         "--warmup", type=int, default=6, help="first saves of every policy left out (auto's cold start)"

@@ -93,3 +93,24 @@ def test_the_report_sets_each_model_policy_against_the_better_fixed_path(bench):
     assert thread["mean_vs_best"] == pytest.approx(1.2) and thread["cost"] == {}
     assert auto["cost"]["refit_cpu_s"] == 0.5 and row["auto_vs_best"] == auto["mean_vs_best"]
     bench._print([row])  # the tables print from a row (and from one without auto-thread)
+
+
+def test_every_policy_counts_the_same_steps_and_a_second_job_of_a_path_measures_the_noise(bench):
+    warmup = 2
+    run = lambda path, b2: {**_run(path, b2), "warmup_steps": warmup}  # noqa: E731 - recorded since 12-06
+    result = {
+        "regime": {"name": "N=4 quiet"},
+        "policies": {
+            # the store's periodic stall falls on step 3 of every job: every policy counts it
+            "direct": run("direct", [9.0, 9.0, 3.0, 2.0, 2.0, 2.0]),
+            "partner": run("partner", [9.0, 9.0, 2.0, 1.0, 1.0, 1.0]),
+            "partner-again": run("partner", [9.0, 9.0, 2.0, 1.1, 1.1, 1.1]),
+            "auto": run("partner", [9.0, 9.0, 2.0, 1.0, 1.0, 1.0]),
+        },
+    }
+    (row,) = bench.summarize([result], warmup)
+    assert row["policies"]["partner"]["b2"]["mean"] == pytest.approx(1.25)
+    assert row["models"]["auto"]["mean_vs_best"] == pytest.approx(1.0)
+    assert row["controls"]["partner"]["mean"] == pytest.approx(1.325 / 1.25)
+    assert "direct" not in row["controls"]
+    bench._print([row])
