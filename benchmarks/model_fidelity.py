@@ -28,6 +28,7 @@ Usage: ``python benchmarks/model_fidelity.py --out /tmp/fidelity.json --plot doc
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -439,7 +440,9 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "shoal-model-fidelity.json"))
-    parser.add_argument("--from", dest="source", default=None, help="evaluate a saved sweep (no cluster)")
+    parser.add_argument(
+        "--from", dest="source", default=None, help="evaluate a saved sweep, .json or .json.gz (no cluster)"
+    )
     parser.add_argument("--saves", type=int, default=14, help="timed checkpoints per job")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", type=int, default=None, help="the first ONLY configurations (development)")
@@ -467,7 +470,8 @@ def main() -> int:
     )  # fmt: skip
     args = parser.parse_args()
     if args.source:
-        with open(args.source, encoding="utf-8") as f:
+        opener = gzip.open if args.source.endswith(".gz") else open
+        with opener(args.source, "rt", encoding="utf-8") as f:
             data = json.load(f)
     else:
         from shoal.testing.cluster.hosts import cannot_run
