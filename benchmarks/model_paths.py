@@ -35,6 +35,7 @@ draws the map and the CoV. Needs root. Usage:
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import secrets
@@ -395,7 +396,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.source:
-        with open(args.source, encoding="utf-8") as f:
+        opener = gzip.open if args.source.endswith(".gz") else open
+        with opener(args.source, "rt", encoding="utf-8") as f:
             saved = json.load(f)
         results, args.warmup = saved["results"], saved["warmup"]
     else:
