@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -158,7 +159,9 @@ class Restore:
         self._needs: list[list[str]] = []
         """Per rank, the item keys it reads (R3)."""
         self._stats = _Stats()
-        self._fetcher = Fetcher()
+        ranks_here = ctx.topology.rank_hosts.count(ctx.host)
+        self._fetcher = Fetcher(overlap=_cores() > ranks_here)
+        """Checks the next chunk in a helper thread only where the host has cores beyond its ranks."""
         self._files: dict[tuple[str, str | None, str, bool], SourceFile | str] = {}
         """Each source file this rank reads, once made (or why it cannot read it)."""
         self._first_use: dict[str, tuple[str, int]] = {}
@@ -628,6 +631,14 @@ class Restore:
                 self._stats.relayed += view.nbytes if x.relayed and error is None else 0
         ctx.fabric.wait_all(works)
         return error
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 
 
 def sources_in(report: LoadReport) -> str:
