@@ -151,7 +151,7 @@ def _sized(model: WriterFit, seed: int, checkpoints: int = 20) -> list[WriterSam
 
 
 def test_a_fixed_cost_per_write_is_recovered_and_bic_keeps_it_only_where_it_is() -> None:
-    records = _sized(LATENT, seed=11)
+    records = _sized(LATENT, seed=11, checkpoints=16)
     best, fits = choose_family(records, latency=True)
     fit = fits["lognormal+latency"]  # fit_writers(records, "lognormal", latency=True): fitted once, here
     assert fit.family == "lognormal" and fit.latency == pytest.approx(0.05, rel=0.15) and fit.n_params == 5
@@ -160,7 +160,7 @@ def test_a_fixed_cost_per_write_is_recovered_and_bic_keeps_it_only_where_it_is()
     assert fit.typical(4 * MB, 1) == pytest.approx(0.05 + 4 / 50, rel=0.05)
     assert best.latency > 0 and set(fits) >= {"gamma+latency"}  # (at sigma 0.1 the families look alike)
     plain = replace(LATENT, latency=0.0, n_params=4)
-    best, _ = choose_family(_sized(plain, seed=12), latency=True)
+    best, _ = choose_family(_sized(plain, seed=12, checkpoints=16), latency=True)
     assert best.latency == 0.0  # a latency that explains nothing does not pay its parameter
 
 
