@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from shoal._collector import collector_paused
@@ -103,12 +102,6 @@ class _Entry:
     summary: StepSummary
 
 
-PARALLEL_FROM = 3
-"""Steps on a tier from which :meth:`StepSummaries.list` summarises them in parallel."""
-PARALLEL_STEPS = 8
-"""Steps summarised at once."""
-
-
 class StepSummaries:
     """Per tier and step, the :class:`StepSummary` of its manifest, valid while the files are unchanged.
 
@@ -122,18 +115,9 @@ class StepSummaries:
         """Manifests decoded so far (a cache miss each)."""
 
     def list(self, tier: Tier) -> list[StepState]:
-        """Every step on ``tier`` (a manifest or a commit record), ascending, each summarised.
-
-        Each step costs a read of its commit record and a stat of its manifest (more where it
-        changed): on an object store those are round trips, so from :data:`PARALLEL_FROM` steps
-        they go :data:`PARALLEL_STEPS` at a time (a pass that runs between two checkpoints holds
-        the next one up for as long as it takes)."""
+        """Every step on ``tier`` (a manifest or a commit record), ascending, each summarised."""
         steps = list_steps(tier)
-        if len(steps) >= PARALLEL_FROM:
-            with ThreadPoolExecutor(PARALLEL_STEPS, thread_name_prefix="shoal-steps") as pool:
-                out = list(pool.map(lambda step: self._state(tier, step), steps))
-        else:
-            out = [self._state(tier, step) for step in steps]
+        out = [self._state(tier, step) for step in steps]
         with self._lock:
             keep = set(steps)
             for key in [k for k in self._entries if k[0] == tier.url and k[1] not in keep]:
