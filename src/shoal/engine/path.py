@@ -264,7 +264,7 @@ class ModelPolicy:
         if self._process is None:
             process = ModelWorker(
                 min_checkpoints=self.model.min_checkpoints,
-                state_rule=str(self.model.rule),
+                state_rule=str(self.model.state_rule),
                 cpu_share=self.cpu_share,
                 on_answer=self._answered,
                 on_exit=self._worker_exited,

@@ -186,27 +186,20 @@ class PathPrediction:
 class PathModel:
     """Writer fits per path over a window of recent checkpoints; predicts either path's time to B2.
 
-    ``state_checkpoints``: how many of the newest checkpoints set the tier's present state
-    (``pooled:state_checkpoints``) where ``state_rule`` is None; ``state_rule``: how the tier's
-    present state comes from the job's checkpoints (:class:`~shoal.model.states.StateRule`;
-    ``adaptive`` by default: it had the lowest error on the fidelity sweep's training half).
+    ``state_rule``: how the tier's present state comes from the job's checkpoints
+    (:class:`~shoal.model.states.StateRule`; ``adaptive`` by default: it had the lowest error on
+    the fidelity sweep's training half).
     ``min_checkpoints``: checkpoints with writers a path's fit needs before it predicts.
     ``pace``: called before every evaluation of a likelihood in a fit or a state estimate (a
     caller that bounds the model's CPU share sleeps there); None: never.
     """
 
-    state_checkpoints: int = 3
     min_checkpoints: int = 4
     fits: dict[str, WriterFit] = field(default_factory=dict)
     pace: Callable[[], None] | None = None
-    state_rule: StateRule | None = StateRule("adaptive", 0)
+    state_rule: StateRule = StateRule("adaptive", 0)
     _estimators: dict[str, StateEstimator] = field(default_factory=dict, init=False, repr=False)
     """Per path, the state estimator of its current fit (it remembers each checkpoint's estimate)."""
-
-    @property
-    def rule(self) -> StateRule:
-        """The state rule in force."""
-        return self.state_rule or StateRule("pooled", self.state_checkpoints)
 
     def refit(self, history: Sequence[PathTimes]) -> None:
         """Fit each path's writers to ``history`` (oldest first); a path with too few keeps its fit."""
@@ -221,11 +214,11 @@ class PathModel:
         return path in self.fits
 
     def tier_state(self, path: str, history: Sequence[PathTimes]) -> TierState:
-        """``path``'s tier state now, from its writers in ``history`` by :attr:`rule`."""
+        """``path``'s tier state now, from its writers in ``history`` by :attr:`state_rule`."""
         fit = self._fit_of(path)
         estimator = self._estimators.get(path)
         if estimator is None or estimator.fit is not fit:
-            estimator = StateEstimator(fit, self.rule, pace=self.pace)
+            estimator = StateEstimator(fit, self.state_rule, pace=self.pace)
             self._estimators[path] = estimator
         per_checkpoint: dict[int, list[WriterSample]] = {}
         for s in _samples(history, path):
