@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.engine.pipeline import run_retention
+from shoal.engine.retention import run_retention
 from shoal.format import layout
 from shoal.format.chunking import digest
 from shoal.format.manifest import ChunkLocation, Manifest, PackRecord, Pointer

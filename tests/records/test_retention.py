@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.engine.pipeline import run_retention
+from shoal.engine.retention import run_retention
 from shoal.errors import MissingFile, TierError
 from shoal.format import layout
 from shoal.format.manifest import Manifest

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from shoal.cli.main import main as cli_main
-from shoal.engine.pipeline import run_retention
+from shoal.engine.retention import run_retention
 from shoal.errors import TierError
 from shoal.format import layout
 from shoal.format.chunking import digest

@@ -339,10 +339,7 @@ class GroupSave:
         ctx = self.ctx
         start = monotonic()
         decision = self._decide_path(reports)
-        if ctx.shared_catalog is None:
-            ctx.shared_catalog = ChunkCatalog.scan(ctx.shared)
-        if not self._reused_packs_present(reports, ctx.shared_catalog):
-            ctx.shared_catalog = ChunkCatalog.scan(ctx.shared)
+        catalog = self._pin_reused(reports)
         # Compact planner input: per rank, its items as columns over the rank's digest buffer,
         # with the digest prefixes the rank made (the planner's sort keys).
         ranks = [
@@ -365,7 +362,7 @@ class GroupSave:
         plan = ctx.plan_cache.lookup_or_plan(
             self.step,
             ranks,
-            ctx.shared_catalog.locations,
+            catalog.locations,
             ctx.topology,
             held=held,
             replicate=decision.path == PARTNER,
@@ -387,21 +384,37 @@ class GroupSave:
         )
         return plan, decision
 
-    def _reused_packs_present(self, reports: list[RankReport], catalog: ChunkCatalog) -> bool:
-        """Whether every pack this checkpoint would reuse is still on the shared tier (one check per pack)."""
-        if not len(catalog):
-            return True  # nothing to reuse: no digest to look up
-        packs = {
-            catalog.locations[d].pack for r in reports for i in r.items for d in i.digests if d in catalog
-        }
-        problems = pack_problems(self.ctx.shared, {p: catalog.packs[p] for p in packs})
-        if problems:
+    def _pin_reused(self, reports: list[RankReport]) -> ChunkCatalog:
+        """Pin the shared packs this checkpoint may reuse, and check that each is there whole.
+
+        Retention runs beside this checkpoint (:class:`~shoal.records.catalog.PackPins`). A
+        pack it has claimed is dropped from the catalog: its chunks are written again. One it
+        deleted before the pin is missing from the listing that follows: the catalog is built
+        again from the tier, twice at most; after that nothing is reused. One check per pack,
+        one listing in all.
+        """
+        ctx = self.ctx
+        for _ in range(3):
+            if ctx.shared_catalog is None:
+                ctx.shared_catalog = ChunkCatalog.scan(ctx.shared)
+            catalog = ctx.shared_catalog
+            if not len(catalog):
+                return catalog  # nothing to reuse: no digest to look up
+            reused = catalog.records_holding(d for r in reports for i in r.items for d in i.digests)
+            claimed = ctx.shared_pins.pin(self.step, reused)
+            catalog.drop_packs(claimed)
+            problems = pack_problems(ctx.shared, {p: rec for p, rec in reused.items() if p not in claimed})
+            if not problems:
+                return catalog
             log.warning(
                 "packs vanished from %s (%s); their chunks will be written again",
-                self.ctx.shared.url,
+                ctx.shared.url,
                 "; ".join(problems.values()),
             )
-        return not problems
+            ctx.shared_catalog = None  # rebuilt from what the tier holds now
+        log.warning("packs keep vanishing from %s: this checkpoint reuses nothing", ctx.shared.url)
+        ctx.shared_catalog = ChunkCatalog()
+        return ctx.shared_catalog
 
     # -- C3..C5: replicate -------------------------------------------------------------------
     def _view(self, ref: ChunkRef) -> memoryview:

@@ -21,20 +21,17 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection
 
 from shoal._collector import collector_paused
 from shoal.boundary import Boundary
 from shoal.engine.group_save import GroupSave, emit_checkpoint
 from shoal.engine.handle import SaveHandle
 from shoal.engine.protocol import PipelineContext, SaveJob
-from shoal.errors import CheckpointFailed, StateError, WriterFenced
-from shoal.records.fence import WriterFence
-from shoal.records.packlist import StepSummaries, summarise
-from shoal.records.retention import latest_step, pack_ids_on, plan_retention, retain
+from shoal.engine.retention import SharedRetention, run_retention
+from shoal.errors import CheckpointFailed, StateError
+from shoal.records.packlist import StepSummaries
 from shoal.records.staged import delete_staged
 from shoal.records.stager import SlotRing
-from shoal.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +64,8 @@ class Pipeline:
         """Steps the user removed (:meth:`remove`): every retention pass deletes them once it may."""
         self._removals = 0
         """Removal passes queued and not yet run (:meth:`flush` waits for them too)."""
+        self._shared: SharedRetention | None = None
+        """The coordinator's retention on the shared tier (:meth:`flush` waits for it too)."""
 
     # -- trainer side --------------------------------------------------------
     def submit(self, job: SaveJob) -> None:
@@ -123,6 +122,8 @@ class Pipeline:
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(remaining)
+        if self._shared is not None:
+            return self._shared.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return True
 
     def close(self, timeout: float | None = None) -> bool:
@@ -137,6 +138,8 @@ class Pipeline:
             self._queue.put(None)
             if finished:
                 thread.join()
+        if self._shared is not None:
+            finished = self._shared.close(0.0 if not finished else None) and finished
         self.context.hasher.close()
         return finished
 
@@ -175,6 +178,7 @@ class Pipeline:
             except Exception:  # pragma: no cover - GroupSave.run never raises; keep the worker alive anyway
                 log.exception("pipeline worker: unexpected error on step %d", job.step)
             finally:
+                self.context.shared_pins.release(job.step)
                 with self._cond:
                     self._pending.pop(job.step, None)
                     self._cond.notify_all()
@@ -195,22 +199,19 @@ class Pipeline:
     def _retain(self, step: int) -> None:
         """Retention after ``step`` committed: the coordinator on shared, host leaders on their tier.
 
-        A pass yields to a checkpoint already waiting for this worker: it stops before its next
-        listing or stage of deletes, so that deleting old checkpoints from a slow or contended
-        store does not hold up the next one's B2 (the next pass picks up what is left; at most
+        The shared tier's pass runs on its own thread, beside the next checkpoint
+        (:class:`~shoal.engine.retention.SharedRetention`); this asks for it. The host tier's
+        runs here. It yields to a checkpoint already waiting for this worker: it stops before its
+        next listing or stage of deletes (the next pass picks up what is left; at most
         ``_MAX_DEFERRED`` passes in a row yield, then one runs whole).
         """
         ctx = self.context
+        if ctx.fabric.is_coordinator:
+            self._shared_retention().request(step)
+        if not (ctx.is_host_leader and ctx.host_tier is not None):
+            return
         in_flight = [s for s in self.in_flight() if s != step]
         horizon = min([step, *(s - 1 for s in in_flight)])
-        work: list[tuple[Tier, bool]] = []
-        writer: frozenset[str] | None = None
-        if ctx.fabric.is_coordinator:
-            writer = self._shared_writer(step)
-            if writer is not None:
-                work.append((ctx.shared, False))
-        if ctx.is_host_leader and ctx.host_tier is not None:
-            work.append((ctx.host_tier, True))
         yielded = False
 
         def stop() -> bool:
@@ -219,28 +220,25 @@ class Pipeline:
                 yielded = True
             return yielded
 
-        with self._cond:
-            removed = sorted(self.removed)
-        for tier, host_tier in work:
-            catalog = ctx.host_catalog if host_tier else ctx.shared_catalog
-            try:
-                if catalog is not None and step in catalog.recent:  # written by this process just now
-                    self.summaries.prime(tier, *catalog.recent[step])
-                freed, dropped = run_retention(
-                    tier,
-                    self.keep_last,
-                    horizon,
-                    manifests_are_commits=host_tier,
-                    writer=None if host_tier else writer,
-                    summaries=self.summaries,
-                    stop=stop,
-                    drop=removed,
-                )
-            except Exception as e:
-                log.warning(
-                    "retention on %s after step %d failed (nothing unsafe was deleted): %s", tier.url, step, e
-                )
-                continue
+        tier, catalog = ctx.host_tier, ctx.host_catalog
+        try:
+            recent = None if catalog is None else catalog.recent_step(step)
+            if recent is not None:  # written by this process just now
+                self.summaries.prime(tier, *recent)
+            freed, dropped = run_retention(
+                tier,
+                self.keep_last,
+                horizon,
+                manifests_are_commits=True,
+                summaries=self.summaries,
+                stop=stop,
+                drop=self._removed_now(),
+            )
+        except Exception as e:
+            log.warning(
+                "retention on %s after step %d failed (nothing unsafe was deleted): %s", tier.url, step, e
+            )
+        else:
             if catalog is not None:
                 catalog.drop_packs(dropped)
             if freed or dropped:
@@ -249,34 +247,21 @@ class Pipeline:
         if yielded:
             ctx.events.emit("retention_deferred", step, passes=self._deferred)
 
-    def _shared_writer(self, step: int) -> frozenset[str] | None:
-        """The writer ids retention on shared runs for (this writer's lineage), or None if fenced (warned)."""
-        ctx = self.context
-        fence = ctx.writer
-        if not isinstance(fence, WriterFence):
-            log.warning(
-                "retention on %s after step %d skipped: this process holds no writer claim",
-                ctx.shared.url,
-                step,
+    def _removed_now(self) -> list[int]:
+        with self._cond:
+            return sorted(self.removed)
+
+    def _shared_retention(self) -> SharedRetention:
+        """The coordinator's shared-tier retention thread, started at its first request."""
+        if self._shared is None:
+            self._shared = SharedRetention(
+                self.context,
+                self.keep_last,
+                self.summaries,
+                in_flight=lambda: self.in_flight().keys(),
+                removed=self._removed_now,
             )
-            return None
-        try:
-            fence.check(ctx.shared, "run retention")
-        except WriterFenced as e:
-            log.warning(
-                "retention on %s after step %d skipped (nothing deleted): %s", ctx.shared.url, step, e
-            )
-            return None
-        except Exception as e:
-            log.warning(
-                "retention on %s after step %d skipped (nothing deleted): the writer record could not be "
-                "read: %s",
-                ctx.shared.url,
-                step,
-                e,
-            )
-            return None
-        return fence.lineage
+        return self._shared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,49 +287,3 @@ def _paused_for(job: SaveJob) -> contextlib.AbstractContextManager[None]:
     long (a drain of large tensors to slow storage, other ranks' collectives).
     """
     return collector_paused() if len(job.slot.items) >= _MANY_ITEMS else contextlib.nullcontext()
-
-
-def run_retention(
-    tier: Tier,
-    keep_last: int | None,
-    horizon: int,
-    *,
-    manifests_are_commits: bool = False,
-    writer: str | Collection[str] | None = None,
-    summaries: StepSummaries | None = None,
-    stop: Callable[[], bool] | None = None,
-    drop: Collection[int] = (),
-) -> tuple[int, tuple[str, ...]]:
-    """One retention pass over ``tier``: keep the ``keep_last`` newest committed checkpoints.
-
-    Returns bytes freed and the pack ids deleted. Steps newer than ``horizon`` (in
-    flight) and their packs are never touched. Host tiers hold no commit records:
-    with ``manifests_are_commits`` a readable manifest counts as committed there.
-    ``writer``: the id of the writer that holds the job (shared tier); the steps other
-    writers committed are left alone. Damaged steps (unreadable manifest, a commit record
-    without its manifest or not matching it) are removed when older than every kept step,
-    and otherwise protect the packs they could reference. ``summaries``: each step's pack list
-    kept from earlier passes (a manifest is decoded only when it is new or its files changed).
-    ``stop``: asked before the listing and before each stage of deletes (:func:`retain`); when
-    it says so the pass ends there, and the next one finds what is left. ``drop``: steps the user
-    removed, deleted even when among the ``keep_last`` newest (:func:`plan_retention`).
-    """
-    if stop is not None and stop():
-        return 0, ()
-    infos = summarise(tier, summaries)
-    if manifests_are_commits:
-        committed = [i.step for i in infos if i.summary is not None]
-    else:
-        committed = [i.step for i in infos if i.summary is not None and i.committed]
-    plan = plan_retention(
-        committed=committed,
-        manifests={i.step: i.summary for i in infos},
-        latest=latest_step(tier),
-        keep_last=keep_last,
-        pack_ids=pack_ids_on(tier),
-        horizon=horizon,
-        writer=writer,
-        problems={i.step: i.problem for i in infos if i.problem},
-        drop=drop,
-    )
-    return retain(tier, plan, stop=stop)

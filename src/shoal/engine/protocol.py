@@ -20,7 +20,7 @@ from shoal.format.pack import PackIndex
 from shoal.group.fabric import Fabric
 from shoal.group.planner import PlanCache
 from shoal.group.topology import Topology
-from shoal.records.catalog import ChunkCatalog
+from shoal.records.catalog import ChunkCatalog, PackPins
 from shoal.records.events import EventLog
 from shoal.records.staged import StagedIndex
 from shoal.records.stager import Slot
@@ -182,6 +182,9 @@ class PipelineContext:
     dram: Tier | None = None
     """The host's DRAM tier: each slot's staged index (``staged/<slot>.json``) is kept there."""
     shared_catalog: ChunkCatalog | None = None
+    shared_pins: PackPins = field(default_factory=PackPins)
+    """The shared-tier packs the checkpoint in flight reuses (pinned by the coordinator's plan),
+    kept apart from those the retention thread deletes."""
     host_catalog: ChunkCatalog | None = None
     dcp_timeout: float = 300.0
     plan_cache: PlanCache = field(default_factory=PlanCache)
