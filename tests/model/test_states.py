@@ -26,7 +26,7 @@ def _checkpoint(cid: int, b_shared: float, writers: int = 8, seed: int = 0) -> t
     )
 
 
-@pytest.mark.parametrize("text", ["pooled:2", "median:4", "median:all", "adaptive"])
+@pytest.mark.parametrize("text", ["pooled:2", "median:4", "median:all", "matched:8", "matched:all", "adaptive"])
 def test_a_rule_reads_back_from_its_text(text: str) -> None:
     assert str(StateRule.parse(text)) == text
 
@@ -95,3 +95,32 @@ def test_in_a_steady_tier_adaptive_predicts_as_well_as_the_best_candidate() -> N
             errors.setdefault(text, []).append(abs(math.log(typical / MODEL.typical(8 * MB, 8, state))))
     mean = {k: float(np.mean(v)) for k, v in errors.items()}
     assert mean["adaptive"] <= 1.15 * min(mean["pooled:1"], mean["median:all"])
+
+
+def _staggered(cid: int, seconds: float, writers: int = 8, early: int = 3) -> tuple[WriterSample, ...]:
+    """A checkpoint whose ``early`` writers finished at 0.6x the others (they overlapped less)."""
+    rng = np.random.default_rng(cid)
+    times = [seconds * (0.6 if w < early else 1.0) * math.exp(rng.normal(0.0, 0.02)) for w in range(writers)]
+    return tuple(WriterSample(cid, 8 * MB, t, writers, t) for t in times)
+
+
+def test_matched_predicts_the_median_writer_where_the_fits_shape_is_off() -> None:
+    # The writers of each checkpoint are not the fit's family: three finish early, every time.
+    # The likelihood's state puts the typical writer below the observed median; matching does not.
+    history = [_staggered(k, 0.40) for k in range(10)]
+    nxt = float(np.median([s.seconds for s in _staggered(10, 0.40)]))
+    predicted = {}
+    for text in ("median:all", "matched:all", "matched:4"):
+        state = StateEstimator(MODEL, StateRule.parse(text)).state(history)
+        assert state is not None
+        predicted[text] = MODEL.typical(8 * MB, 8, state)
+    assert predicted["median:all"] < 0.9 * nxt  # the bias the matched rule removes
+    assert predicted["matched:all"] == pytest.approx(nxt, rel=0.03)
+    assert predicted["matched:4"] == pytest.approx(nxt, rel=0.03)
+
+
+def test_matched_falls_back_to_the_checkpoints_own_estimate_where_the_tier_never_binds() -> None:
+    # One writer of 8 MB at 50 MB/s (b_client) on a 200 MB/s tier: no b_shared near it changes its time
+    fast = tuple(WriterSample(k, 8 * MB, 0.2, 1, 0.2) for k in range(1))
+    estimator = StateEstimator(MODEL, StateRule.parse("matched:all"))
+    assert estimator.matched(fast) == estimator.own(fast)

@@ -12,6 +12,12 @@ many average the luck out but lag a step. Which wins depends on the tier, so a
 * ``median:W``: each checkpoint's own ``b_shared`` (estimated from its writers alone, once),
   and the median of the last ``W`` of them in log space (``median:all``: of every one the job
   has): one unlucky checkpoint moves it not at all;
+* ``matched:W``: as ``median:W``, but each checkpoint's own ``b_shared`` is the one at which
+  the model's typical writer takes as long as that checkpoint's median writer did. The
+  likelihood weighs every writer; the writers of one checkpoint do not start together, so the
+  fit's shape puts its median a few percent from the observed one, the same way checkpoint
+  after checkpoint of one job (a bias by ``N``). Matching the median removes it for the typical
+  writer, which is what the path decision and the scoring use;
 * ``adaptive``: for every checkpoint, the candidate rules (:data:`ADAPTIVE_CANDIDATES`) whose
   forward predictions of the job's own last :data:`ADAPTIVE_LOOKBACK` checkpoints (each from
   the ones before it) had the least mean absolute log error; the longest memory until two of
@@ -30,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import optimize
 
 from shoal.errors import ConfigError
 from shoal.model.writers import TierState, WriterFit, WriterSample, estimate_state
@@ -45,19 +52,19 @@ class StateRule:
     """One way to estimate the tier's state from a job's recent checkpoints (see the module)."""
 
     how: str = "pooled"
-    """``pooled``, ``median`` or ``adaptive``."""
+    """``pooled``, ``median``, ``matched`` or ``adaptive``."""
     window: int = 2
     """Checkpoints it looks back over (``ALL``, 0: every one); unused by ``adaptive``."""
 
     def __post_init__(self) -> None:
-        if self.how not in ("pooled", "median", "adaptive"):
-            raise ConfigError(f"a state rule is pooled, median or adaptive, got {self.how!r}")
+        if self.how not in ("pooled", "median", "matched", "adaptive"):
+            raise ConfigError(f"a state rule is pooled, median, matched or adaptive, got {self.how!r}")
         if self.window < 0 or (self.how == "pooled" and self.window == ALL):
             raise ConfigError(f"a {self.how} state rule needs a window >= 1, got {self.window!r}")
 
     @classmethod
     def parse(cls, text: str) -> StateRule:
-        """``"pooled:2"``, ``"median:4"``, ``"median:all"`` or ``"adaptive"``."""
+        """``"pooled:2"``, ``"median:4"``, ``"median:all"``, ``"matched:all"`` or ``"adaptive"``."""
         how, _, window = text.strip().partition(":")
         if how == "adaptive":
             if window:
@@ -69,9 +76,10 @@ class StateRule:
             size = int(window)
         except ValueError:
             size = None
-        if how not in ("pooled", "median") or size is None:
+        if how not in ("pooled", "median", "matched") or size is None:
             raise ConfigError(
-                f"a state rule is 'pooled:W', 'median:W', 'median:all' or 'adaptive', got {text!r}"
+                "a state rule is 'pooled:W', 'median:W', 'median:all', 'matched:W', 'matched:all' "
+                f"or 'adaptive', got {text!r}"
             )
         return cls(how, size)
 
@@ -124,6 +132,8 @@ class StateEstimator:
         self.pace = pace
         self._own: dict[int, float] = {}
         """Per checkpoint, ln b_shared from its own writers."""
+        self._matched: dict[int, float] = {}
+        """Per checkpoint, ln b_shared at which the typical writer matches its median writer."""
         self._errors: dict[tuple[StateRule, int], float | None] = {}
         """Per candidate and checkpoint, |ln(observed / predicted)| of its typical writer."""
         self.last_choice: StateRule | None = None
@@ -147,12 +157,41 @@ class StateEstimator:
             self._own[key] = value
         return value
 
+    def matched(self, samples: Sequence[WriterSample]) -> float:
+        """ln b_shared at which the fit's typical writer takes the checkpoint's median time (remembered).
+
+        Where no ``b_shared`` near the checkpoint's own estimate gets there (the writers were
+        bound by ``b_client``, not the tier), it is that estimate (:meth:`own`).
+        """
+        key = _key(samples)
+        value = self._matched.get(key)
+        if value is None:
+            value = self._match(samples)
+            self._matched[key] = value
+        return value
+
+    def _match(self, samples: Sequence[WriterSample]) -> float:
+        own = self.own(samples)
+        size, writers = _typical_size(samples), _writers(samples)
+        target = math.log(_typical_seconds(samples))
+
+        def gap(log_b: float) -> float:
+            if self.pace is not None:
+                self.pace()
+            return math.log(self.fit.typical(size, writers, TierState(math.exp(log_b)))) - target
+
+        lo, hi = own - 2.0, own + 2.0
+        if gap(lo) * gap(hi) > 0:  # the tier's share does not decide this writer's time
+            return own
+        return float(optimize.brentq(gap, lo, hi, xtol=1e-6))
+
     def _apply(self, rule: StateRule, history: Sequence[Sequence[WriterSample]]) -> TierState:
         if rule.how == "pooled":
             recent = [s for h in history[-rule.window :] for s in h]
             return estimate_state(self.fit, recent, pace=self.pace)
         window = history if rule.window == ALL else history[-rule.window :]
-        return TierState(math.exp(float(np.median([self.own(h) for h in window]))))
+        each = self.matched if rule.how == "matched" else self.own
+        return TierState(math.exp(float(np.median([each(h) for h in window]))))
 
     def _error(self, rule: StateRule, history: Sequence[Sequence[WriterSample]], k: int) -> float | None:
         """How far ``rule``, from ``history[:k]``, was from checkpoint ``k``'s typical writer."""
