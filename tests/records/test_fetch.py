@@ -340,3 +340,34 @@ def test_a_kept_chunk_read_into_the_scratch_buffer_is_a_copy_of_its_own(tier: Co
 def test_max_run_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_run"):
         Fetcher(max_run=0)
+
+
+def test_a_direct_fetcher_reads_large_chunks_into_their_destination_and_repairs_a_bad_one(
+    tmp_path: Path,
+) -> None:
+    """The restore's fetcher: no scratch copy for chunks of 1 MiB or more; a corrupt copy is read over."""
+    first, second = CountingTier(tmp_path / "a"), CountingTier(tmp_path / "b")
+    sizes = [1 << 20, 3 << 20, 1 << 20, 1000]  # the last one is small: through the scratch buffer
+    chunks = write_pack(first, "packs/a.pack", sizes)
+    write_pack(second, "packs/a.pack", sizes)
+    flip(first, "packs/a.pack", chunks[1][1] + 12345)  # the 3 MiB chunk is damaged in the first copy
+    reqs, outs = requests_for(
+        chunks,
+        SourceFile(first, "packs/a.pack", kind="shared"),
+        SourceFile(second, "packs/a.pack", kind="local"),
+    )
+    extra = bytearray(sizes[2])
+    reqs[2].dests = [reqs[2].dests[0], memoryview(extra)]  # a chunk two items share
+    result = Fetcher(direct=True, lend=False).fetch(reqs)
+    assert [bytes(o) for o in outs] == [c[2] for c in chunks] and bytes(extra) == chunks[2][2]
+    assert result.used == [0, 1, 0, 0] and result.lost == []
+    assert "ChecksumMismatch" in result.failures[1][0].describe()
+    # each large chunk one read of its own, straight into its destination; the small one in a run
+    assert first.reads == [
+        ("packs/a.pack", 0, 1 << 20),
+        ("packs/a.pack", 1 << 20, 3 << 20),
+        ("packs/a.pack", 4 << 20, 1 << 20),
+        ("packs/a.pack", 5 << 20, 1000),
+    ]
+    assert second.reads == [("packs/a.pack", 1 << 20, 3 << 20)]
+    assert result.bytes_by_kind == {"shared": sum(sizes) - (3 << 20), "local": 3 << 20}

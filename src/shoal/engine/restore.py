@@ -160,7 +160,7 @@ class Restore:
         """Per rank, the item keys it reads (R3)."""
         self._stats = _Stats()
         ranks_here = ctx.topology.rank_hosts.count(ctx.host)
-        self._fetcher = Fetcher(overlap=_cores() > ranks_here)
+        self._fetcher = Fetcher(overlap=_cores() > ranks_here, direct=True)
         """Checks the next chunk in a helper thread only where the host has cores beyond its ranks."""
         self._files: dict[tuple[str, str | None, str, bool], SourceFile | str] = {}
         """Each source file this rank reads, once made (or why it cannot read it)."""

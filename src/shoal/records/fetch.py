@@ -27,6 +27,12 @@ while this one is copied (the hash runs without the interpreter lock), so the ch
 time beside the copy where a core is free; smaller chunks are checked inline, and so is every
 chunk of a fetcher made with ``overlap=False`` (the restore's, where the host has no core beyond
 its ranks: there the helper thread only adds switches).
+
+A fetcher made with ``direct=True`` (the restore's) reads a chunk of :data:`DIRECT_MIN` or more
+that has a destination straight into its first destination, checks it there, and copies it
+to the others: one copy per byte less than through the scratch buffer. A destination of a
+chunk that such a fetcher did not deliver then holds whatever was read (not what it held
+before); the restore fills it from another source or fails the load.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ log = logging.getLogger(__name__)
 
 OVERLAP_MIN = 1 << 20
 """Chunks of a lent run at least this big have the next one's digest checked in a helper thread."""
+DIRECT_MIN = 1 << 20
+"""Chunks at least this big are read straight into their destination by a ``direct`` fetcher."""
 DEFAULT_MAX_RUN = 8 << 20
 """Largest range read (and so scratch buffer), in bytes; a longer chunk is read alone."""
 
@@ -181,6 +189,7 @@ class Fetcher:
     order read (per file, by offset): ``shoal verify`` hashes whole packs with it. ``lend``
     (default): take the bytes a tier lends (a mapped DRAM slab or host-tier file) instead of
     reading them into the scratch buffer. ``overlap`` (default): see :attr:`overlap`.
+    ``direct``: read large chunks straight into their first destination (see the module).
     """
 
     def __init__(
@@ -190,6 +199,7 @@ class Fetcher:
         on_read: OnRead | None = None,
         lend: bool = True,
         overlap: bool = True,
+        direct: bool = False,
     ) -> None:
         if max_run <= 0:
             raise ValueError(f"max_run must be positive, got {max_run}")
@@ -197,6 +207,7 @@ class Fetcher:
         self.on_read = on_read
         self.lend = lend
         self.overlap = overlap
+        self.direct = direct and on_read is None  # shoal verify sees every byte read, in order
         """Check a lent run's next chunk in a helper thread while this one is copied (a
         process whose host has no core to spare checks each chunk inline, then copies it:
         measured 6% faster with 4 ranks on 2 cores)."""
@@ -281,7 +292,10 @@ class Fetcher:
         at: list[int],
         result: FetchResult,
         failed: list[int],
+        *,
+        direct: bool = True,
     ) -> None:
+        direct = direct and self.direct
         start = run[0][0]
         last_offset, last = run[-1]
         t0 = perf_counter()
@@ -290,6 +304,20 @@ class Fetcher:
             if view is not None and self.on_read is None:
                 result.read_seconds += perf_counter() - t0
                 self._deliver_mapped(file, run, view, requests, at, result, failed)
+                return
+            if view is None and direct and any(self._goes_direct(requests[i]) for _, i in run):
+                result.read_seconds += perf_counter() - t0
+                rest: list[tuple[int, int]] = []  # small chunks back to back: one run, as usual
+                for offset, i in run:
+                    if not self._goes_direct(requests[i]):
+                        rest.append((offset, i))
+                        continue
+                    if rest:
+                        self._read_run(file, rest, requests, at, result, failed, direct=False)
+                        rest = []
+                    self._read_direct(file, offset, i, requests, at, result, failed)
+                if rest:
+                    self._read_run(file, rest, requests, at, result, failed, direct=False)
                 return
             if view is None:
                 view = self._buffer(last_offset + requests[last].length - start)
@@ -331,6 +359,50 @@ class Fetcher:
             delivered += req.length
         if delivered:
             result.bytes_by_kind[file.kind] = result.bytes_by_kind.get(file.kind, 0) + delivered
+
+    @staticmethod
+    def _goes_direct(req: ChunkRequest) -> bool:
+        return bool(req.dests) and req.length >= DIRECT_MIN
+
+    def _read_direct(
+        self,
+        file: SourceFile,
+        offset: int,
+        i: int,
+        requests: Sequence[ChunkRequest],
+        at: list[int],
+        result: FetchResult,
+        failed: list[int],
+    ) -> None:
+        """Read chunk ``i`` into its first destination, check it there, copy it to the others."""
+        req = requests[i]
+        first = req.dests[0]
+        t0 = perf_counter()
+        try:
+            file.read_into(offset, first)
+        except Exception as e:
+            result.read_seconds += perf_counter() - t0
+            self._fail(i, requests, at, result, failed, e)
+            return
+        t1 = perf_counter()
+        result.read_seconds += t1 - t0
+        result.reads += 1
+        result.bytes_read += req.length
+        try:
+            verify(first, req.digest, partial(_what, req, file, offset))
+        except ChecksumMismatch as e:
+            result.verify_seconds += perf_counter() - t1
+            self._fail(i, requests, at, result, failed, e)
+            return
+        t2 = perf_counter()
+        result.verify_seconds += t2 - t1
+        for dest in req.dests[1:]:
+            dest[:] = first
+        if req.keep:
+            result.kept[i] = first
+        result.copy_seconds += perf_counter() - t2
+        result.used[i] = at[i]
+        result.bytes_by_kind[file.kind] = result.bytes_by_kind.get(file.kind, 0) + req.length
 
     def _mapped_range(self, file: SourceFile, start: int, end: int) -> memoryview | None:
         """Bytes ``[start, end)`` of ``file`` without a copy, where its tier lends them (mapped once
