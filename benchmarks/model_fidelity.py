@@ -240,7 +240,8 @@ def _hindsight(preds: list[Any]) -> dict[str, float]:
 
 
 STATE_RULES = (
-    "pooled:1", "pooled:2", "pooled:4", "pooled:8", "median:4", "median:8", "median:all", "adaptive",
+    "pooled:1", "pooled:2", "pooled:4", "pooled:8", "median:4", "median:8", "median:all", "matched:4",
+    "matched:8", "matched:all", "adaptive",
 )  # fmt: skip
 """The state rules ``--state choose`` picks among on the training part."""
 
@@ -450,7 +451,7 @@ def main() -> int:
     parser.add_argument(
         "--state", "--window", dest="window", default="choose",
         help="how the tier's state comes from a job's recent checkpoints: pooled:W, median:W, median:all, "
-        "adaptive, or W (pooled:W); default: choose (the best of "
+        "matched:W, matched:all, adaptive, or W (pooled:W); default: choose (the best of "
         + ", ".join(STATE_RULES) + " on the training part)",
     )  # fmt: skip
     parser.add_argument("--plot", default=None, help="write a PNG of predicted against observed here")
