@@ -26,7 +26,9 @@ def _checkpoint(cid: int, b_shared: float, writers: int = 8, seed: int = 0) -> t
     )
 
 
-@pytest.mark.parametrize("text", ["pooled:2", "median:4", "median:all", "matched:8", "matched:all", "adaptive"])
+@pytest.mark.parametrize(
+    "text", ["pooled:2", "median:4", "median:all", "matched:8", "matched:all", "adaptive"]
+)
 def test_a_rule_reads_back_from_its_text(text: str) -> None:
     assert str(StateRule.parse(text)) == text
 
