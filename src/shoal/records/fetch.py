@@ -341,15 +341,9 @@ class Fetcher:
             req = requests[i]
             pos = offset - start
             chunk = view[pos : pos + req.length]
-            t1 = perf_counter()
-            try:
-                verify(chunk, req.digest, partial(_what, req, file, offset))  # the text only on a mismatch
-            except ChecksumMismatch as e:
-                result.verify_seconds += perf_counter() - t1
-                self._fail(i, requests, at, result, failed, e)
+            if not self._checked(chunk, file, offset, i, requests, at, result, failed):
                 continue
             t2 = perf_counter()
-            result.verify_seconds += t2 - t1
             for dest in req.dests:
                 dest[:] = chunk
             if req.keep:  # the scratch buffer is reused: a copy of its own (a mapped source lends it)
@@ -359,6 +353,28 @@ class Fetcher:
             delivered += req.length
         if delivered:
             result.bytes_by_kind[file.kind] = result.bytes_by_kind.get(file.kind, 0) + delivered
+
+    def _checked(
+        self,
+        chunk: memoryview,
+        file: SourceFile,
+        offset: int,
+        i: int,
+        requests: Sequence[ChunkRequest],
+        at: list[int],
+        result: FetchResult,
+        failed: list[int],
+    ) -> bool:
+        """Whether ``chunk`` (request ``i``, read from ``file`` at ``offset``) has its digest; else failed."""
+        t1 = perf_counter()
+        try:
+            verify(chunk, requests[i].digest, partial(_what, requests[i], file, offset))  # text on a mismatch
+        except ChecksumMismatch as e:
+            self._fail(i, requests, at, result, failed, e)
+            return False
+        finally:
+            result.verify_seconds += perf_counter() - t1
+        return True
 
     @staticmethod
     def _goes_direct(req: ChunkRequest) -> bool:
@@ -388,14 +404,9 @@ class Fetcher:
         result.read_seconds += t1 - t0
         result.reads += 1
         result.bytes_read += req.length
-        try:
-            verify(first, req.digest, partial(_what, req, file, offset))
-        except ChecksumMismatch as e:
-            result.verify_seconds += perf_counter() - t1
-            self._fail(i, requests, at, result, failed, e)
+        if not self._checked(first, file, offset, i, requests, at, result, failed):
             return
         t2 = perf_counter()
-        result.verify_seconds += t2 - t1
         for dest in req.dests[1:]:
             dest[:] = first
         if req.keep:
