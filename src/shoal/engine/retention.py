@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Collection
 
 from shoal.errors import WriterFenced
-from shoal.records.catalog import PackPins
 from shoal.records.fence import WriterFence
 from shoal.records.packlist import StepSummaries, summarise
 from shoal.records.retention import latest_step, pack_ids_on, plan_retention, retain
@@ -115,7 +114,7 @@ class SharedRetention:
     :meth:`request` asks for a pass after a commit (or a removal); requests that arrive while a
     pass runs are served by one pass after it, for the newest step. Each pass judges only steps
     up to the newest committed one and not in flight (``horizon``), claims the packs it deletes
-    from ``pins`` and drops them from the coordinator's catalog before deleting any.
+    from ``context.shared_pins`` and drops them from the coordinator's catalog before deleting any.
 
     Args:
         context: the coordinator's pipeline context (tiers, catalog, writer claim, events).
@@ -147,10 +146,6 @@ class SharedRetention:
         self._thread: threading.Thread | None = None
         self.passes = 0
         """Passes run so far."""
-
-    @property
-    def pins(self) -> PackPins:
-        return self.context.shared_pins
 
     def request(self, step: int) -> None:
         """Ask for a pass judging steps up to ``step`` (a committed step, or a removed one)."""
@@ -212,7 +207,7 @@ class SharedRetention:
         if writer is None:
             return
         horizon = min([step, *(s - 1 for s in self._in_flight() if s != step)])
-        pins = self.pins
+        pins = ctx.shared_pins
         since = pins.mark()  # before anything is listed
         catalog = ctx.shared_catalog
         if catalog is not None:
