@@ -158,3 +158,15 @@ def test_ranks_asking_for_different_steps_all_get_the_same_error_naming_them(tmp
     notes = [r.split("failed before it began: ", 1)[1] for r in results]
     assert all(r.startswith("CollectiveMismatch") for r in results), results
     assert notes[0] == notes[1] and "load(1)" in notes[0] and "load(2)" in notes[0], notes
+
+
+def test_chunks_that_fail_at_their_reader_after_the_exchange_began_are_sent_again_repaired(tmp_path):
+    results = run_ranks(
+        rs.repair_replicated_across_hosts, hosts=HOSTS, kwargs={"root": str(tmp_path)}, timeout=LIMIT
+    )
+    first = results[0]
+    assert first["repaired"] > 0  # chunks h0's ranks were to read and send (every rank compared bit for bit)
+    assert set(first["by_tier"]) <= {"dram", "local"} and first["by_tier"]
+    # Each unique byte reaches the three ranks that did not read it, once verified: the
+    # placeholders that did not verify are not counted.
+    assert first["fabric"] == 3 * first["unique_bytes"]

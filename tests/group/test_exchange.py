@@ -15,6 +15,8 @@ class Job:
     rank_hosts: list[str]
     needs: list[list[str]]
     reader_of: dict[str, int]
+    order: dict[str, tuple[int, int]] | None = None
+    """Where each reader reads each chunk in its fetch (None: by digest)."""
 
 
 @st.composite
@@ -27,7 +29,9 @@ def jobs(draw: st.DrawFn) -> Job:
     wanted = sorted({d for n in needs for d in n})
     world = len(rank_hosts)
     reader_of = {d: draw(st.integers(0, world - 1)) for d in wanted}
-    return Job(rank_hosts, needs, reader_of)
+    places = st.tuples(st.integers(0, 2), st.integers(0, 9))  # (file's turn, offset)
+    order = draw(st.none() | st.fixed_dictionaries(dict.fromkeys(wanted, places)))
+    return Job(rank_hosts, needs, reader_of, order)
 
 
 def _simulate(plan: ExchangePlan, world: int) -> dict[int, list[str]]:
@@ -70,9 +74,12 @@ def _simulate(plan: ExchangePlan, world: int) -> dict[int, list[str]]:
 @settings(max_examples=300, deadline=None)
 @given(jobs())
 def test_every_need_is_met_once_and_each_chunk_crosses_to_a_host_once(job: Job) -> None:
-    plan = plan_exchange(job.reader_of, job.needs, job.rank_hosts)
+    plan = plan_exchange(job.reader_of, job.needs, job.rank_hosts, job.order)
     world = len(job.rank_hosts)
     got = _simulate(plan, world)
+    for r in range(world):  # each reader sends in the order it reads
+        sent = [(job.order or {}).get(x.digest, (0, 0)) for x in plan.sends_at(r)]
+        assert sent == sorted(sent)
     for r in range(world):
         expected = sorted(d for d in job.needs[r] if job.reader_of[d] != r)
         assert sorted(got[r]) == expected  # each needed chunk once, never one this rank read
@@ -102,6 +109,17 @@ def test_four_replicas_on_two_hosts_relay_one_copy_per_chunk() -> None:
         Delivery("b", 2, 3),
         Delivery("a", 2, 3, relayed=True),
     ]
+
+
+def test_a_reader_sends_its_chunks_in_the_order_it_reads_them() -> None:
+    hosts = ["h0", "h0", "h1", "h1"]
+    order = {"c": (0, 0), "a": (0, 4096), "b": (1, 0), "d": (0, 0)}  # c, a from one pack, then b's
+    plan = plan_exchange({"a": 0, "b": 0, "c": 0, "d": 2}, [["a", "b", "c", "d"]] * 4, hosts, order)
+    assert [(x.digest, x.dst) for x in plan.sends_at(0)] == [
+        ("c", 1), ("c", 2), ("a", 1), ("a", 3), ("b", 1), ("b", 2)
+    ]  # fmt: skip (h1's relays take turns)
+    # rank 2 relays c and b to rank 3 in the order it gets them
+    assert [(x.digest, x.src) for x in plan.incoming_at(3)] == [("a", 0), ("d", 2), ("c", 2), ("b", 2)]
 
 
 def test_relays_of_a_host_take_turns() -> None:

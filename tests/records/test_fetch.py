@@ -371,3 +371,25 @@ def test_a_direct_fetcher_reads_large_chunks_into_their_destination_and_repairs_
     ]
     assert second.reads == [("packs/a.pack", 1 << 20, 3 << 20)]
     assert result.bytes_by_kind == {"shared": sum(sizes) - (3 << 20), "local": 3 << 20}
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_each_chunk_is_handed_on_once_as_it_is_delivered_verified_never_before(
+    tmp_path: Path, direct: bool
+) -> None:
+    """``on_delivered``: the restore sends a chunk on while it reads the next one."""
+    first, second = CountingTier(tmp_path / "a"), CountingTier(tmp_path / "b")
+    sizes = [1 << 20, 2000, 1 << 20, 3000]
+    chunks = write_pack(first, "p.pack", sizes)
+    write_pack(second, "p.pack", sizes)
+    flip(first, "p.pack", chunks[0][1] + 7)  # the first chunk comes from the second copy, later
+    reqs, outs = requests_for(chunks, SourceFile(first, "p.pack"), SourceFile(second, "p.pack"))
+    reqs[3] = ChunkRequest(chunks[3][0], 3000, [], reqs[3].sources, keep=True)  # only others need it
+    seen: list[tuple[int, bytes]] = []
+    result = Fetcher(direct=direct, lend=False).fetch(
+        reqs, on_delivered=lambda i, chunk: seen.append((i, bytes(chunk)))
+    )
+    assert [i for i, _ in seen] == [1, 2, 3, 0]  # as delivered: the repaired one last
+    assert all(data == chunks[i][2] for i, data in seen)  # verified bytes, never the damaged copy
+    assert bytes(result.kept[3]) == chunks[3][2]
+    assert [bytes(o) for o in outs[:3]] == [c[2] for c in chunks[:3]]

@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,9 +41,9 @@ from shoal.engine.inventory import (
     host_inventory,
     shared_inventory,
 )
+from shoal.engine.spread import Spread, SpreadTotals
 from shoal.errors import CheckpointNotFound, ChecksumMismatch, RestoreFailed, ShoalError
 from shoal.format import layout
-from shoal.format.chunking import verify
 from shoal.format.manifest import Manifest
 from shoal.group.exchange import plan_exchange
 from shoal.group.fabric import Fabric
@@ -82,7 +82,8 @@ class LoadReport:
     read_seconds: float = 0.0
     """The slowest rank's time reading its chunks (repairs included)."""
     exchange_seconds: float = 0.0
-    """The slowest rank's time in the exchange over the fabric (after its reads)."""
+    """The slowest rank's time waiting for the exchange over the fabric after its reads (the
+    exchange begins with them: each chunk goes as soon as it is read)."""
 
     @property
     def shared_bytes(self) -> int:
@@ -119,13 +120,13 @@ def _warn_unread(step: int, saved: list[str], wanted: set[str]) -> None:
 @dataclass
 class _Stats:
     by_tier: dict[str, int] = field(default_factory=dict)
-    fabric: int = 0
-    relayed: int = 0
+    spread: SpreadTotals = field(default_factory=SpreadTotals)
     seconds: tuple[float, float] = (0.0, 0.0)
-    """This rank's seconds reading (with repairs) and in the exchange."""
+    """This rank's seconds reading (with repairs) and waiting for the exchange after its reads."""
     marks: tuple[float, float, float] | None = None
-    """This rank's reads' start, their end (the exchange's start) and the exchange's end, on the
-    event clock (:data:`shoal.records.events.monotonic`)."""
+    """This rank's reads' start, their end (when it starts waiting for the exchange, which began
+    with the reads) and the exchange's end, on the event clock
+    (:data:`shoal.records.events.monotonic`)."""
     repaired: int = 0
 
 
@@ -282,15 +283,15 @@ class Restore:
             held: dict[str, memoryview] = {}
             t0, m0 = time.perf_counter(), monotonic()
             phases["agree"], phases["places"] = agreed - start, t0 - agreed
-            reader_of = self._read_rounds(plan, places, held)  # read, R5, R4'
-            t1, m1 = time.perf_counter(), monotonic()
-            fetcher = sum(phases.get(k, 0.0) for k in ("read", "verify", "copy"))
-            phases["rounds"] = max(0.0, t1 - t0 - fetcher)
-            error = self._exchange(reader_of, places, held)
+            phases["exchange"] = 0.0
+            error = self._read_rounds(plan, places, held)  # read + exchange, R5, R4', exchange again
             t2 = time.perf_counter()
-            phases["exchange"] = t2 - t1
-            self._stats.seconds = (t1 - t0, t2 - t1)
-            self._stats.marks = (m0, m1, monotonic())
+            waited = phases["exchange"]
+            fetcher = sum(phases.get(k, 0.0) for k in ("read", "verify", "copy"))
+            phases["rounds"] = max(0.0, t2 - t0 - fetcher - waited)
+            self._stats.seconds = (t2 - t0 - waited, waited)
+            m2 = monotonic()
+            self._stats.marks = (m0, m2 - waited, m2)
             report = self._finish(error)  # R6
             self.fetched_at = time.perf_counter()
             phases["stats"] = self.fetched_at - t2
@@ -336,29 +337,52 @@ class Restore:
 
     def _read_rounds(
         self, plan: ReadPlan, places: Mapping[str, list[memoryview]], held: dict[str, memoryview]
-    ) -> dict[str, int]:
-        """Read this rank's part of ``plan``, then repairs (R5, R4') until none fail; who read each chunk."""
+    ) -> str | None:
+        """Read this rank's part of ``plan`` while the exchange spreads it, then repairs (R5, R4')
+        until none fail, and the repaired chunks' exchange; the error that spoiled a received
+        chunk, if any.
+
+        The first exchange is planned from the first read plan and runs during the reads: each
+        chunk goes as soon as it is read (:class:`~shoal.engine.spread.Spread`). It ends before
+        R5, so no collective runs while chunks are in flight. A chunk some rank failed to read
+        went out as a placeholder: its receivers' errors about it are dropped, and it goes again
+        from its new reader in an exchange after the repairs.
+        """
         ctx = self.ctx
-        reader_of: dict[str, int] = {}
+        reader_of = {r.digest: reader for reader, reads in plan.reads.items() for r in reads}
+        spread = self._spread(reader_of, places, plan)
+        errors: dict[str, str] = {}
+        repaired: dict[str, int] = {}
         for round_ in range(_MAX_ROUNDS):
-            failed = self._read(plan.reads_at(self.rank), places, held, repairing=round_ > 0)
-            for reader, reads in plan.reads.items():
-                for r in reads:
-                    reader_of[r.digest] = reader
+            failed = self._read(plan.reads_at(self.rank), places, held, repairing=round_ > 0, spread=spread)
+            if spread is not None:
+                errors.update(self._wait(spread))
+                spread = None
             # R5 on every rank: where nothing failed anywhere (the usual case) no repair plan
             # needs to be broadcast, so a clean load pays one collective here, not two.
             failures = ctx.fabric.all_gather(failed)
             if not any(failures):
-                return reader_of
+                break
             repair: ReadPlan | Exception | None = None
             if ctx.fabric.is_coordinator:
                 repair = self._guarded(lambda p=plan, f=failures: self._replan(p, f))
             repair = self._agree(repair)  # R4'
             if not repair.reads:
-                return reader_of
+                break
             plan = repair
-        step = self.manifest.step if self.manifest is not None else "?"
-        raise RestoreFailed(f"step {step}: chunks still failing after {_MAX_ROUNDS} rounds")
+            repaired.update((r.digest, reader) for reader, reads in plan.reads.items() for r in reads)
+        else:
+            step = self.manifest.step if self.manifest is not None else "?"
+            raise RestoreFailed(f"step {step}: chunks still failing after {_MAX_ROUNDS} rounds")
+        error = next((e for d, e in errors.items() if d not in repaired), None)
+        again = self._spread(repaired, places, None) if repaired else None
+        if again is not None:  # the repaired chunks, from their new readers, after every read
+            for d in repaired:
+                if d in held:
+                    again.ready(d, held[d])
+            late = self._wait(again)  # on every rank, whatever happened before: its peers wait on it
+            error = error or next(iter(late.values()), None)
+        return error
 
     def _finish(self, error: str | None) -> LoadReport:
         """R6: every rank's stats (and exchange error), summed into the load's report."""
@@ -367,10 +391,10 @@ class Restore:
         stats = self.ctx.fabric.all_gather(
             (
                 self._stats.by_tier,
-                self._stats.fabric,
+                self._stats.spread.fabric,
                 self._stats.repaired,
                 error,
-                self._stats.relayed,
+                self._stats.spread.relayed,
                 self._stats.seconds,
             )
         )  # R6
@@ -528,6 +552,7 @@ class Restore:
         held: dict[str, memoryview],
         *,
         repairing: bool = False,
+        spread: Spread | None = None,
     ) -> list[tuple[str, list[str]]]:
         """Read and verify this rank's chunks; return ``(digest, [what was tried])`` for each that failed.
 
@@ -535,7 +560,8 @@ class Restore:
         a pack or slab, verified before any byte reaches a destination. A chunk only other ranks
         need is kept as the fetcher hands it back, to send: the source's own bytes where its
         tier lends them (a DRAM slab, a host tier's pack), else a copy. ``repairing``: these
-        chunks failed on another host first (each counts as repaired).
+        chunks failed on another host first (each counts as repaired). ``spread``: told of each
+        chunk as soon as it is verified, to send it on.
         """
         requests: list[ChunkRequest] = []
         unusable: list[list[str]] = []
@@ -544,7 +570,14 @@ class Restore:
             requests.append(req)
             unusable.append(bad)
         t0 = time.perf_counter()
-        result = self._fetcher.fetch(requests)
+        on_delivered = None
+        if spread is not None:
+            ready = spread.ready
+
+            def on_delivered(i: int, chunk: memoryview) -> None:
+                ready(requests[i].digest, chunk)
+
+        result = self._fetcher.fetch(requests, on_delivered=on_delivered)
         log.debug(
             "read %d chunks (%d bytes) in %d reads in %.4f s",
             len(requests),
@@ -575,62 +608,66 @@ class Restore:
         self.phases[name] = self.phases.get(name, 0.0) + seconds
 
     # -- the exchange ------------------------------------------------------------------------
-    def _accept(
-        self, d: str, view: memoryview, places: Mapping[str, list[memoryview]], how: str
-    ) -> str | None:
-        """Verify a chunk that arrived ``how`` (in ``view``, its first place or a buffer); place it
-        everywhere else, or return what was wrong with it."""
-        step = self.manifest.step if self.manifest is not None else "?"
-        try:
-            verify(view, d, lambda: f"step {step}: chunk {d} arrived {how}")
-        except ChecksumMismatch as e:
-            return str(e)
-        for p in places[d]:
-            if p is not view:
-                p[:] = view
-        self._stats.fabric += view.nbytes
-        return None
-
-    def _exchange(
-        self,
-        reader_of: Mapping[str, int],
-        places: Mapping[str, list[memoryview]],
-        held: dict[str, memoryview],
-    ) -> str | None:
-        """Send what this rank read to every rank that needs it; receive, verify and relay the rest.
+    def _spread(
+        self, reader_of: Mapping[str, int], places: Mapping[str, list[memoryview]], plan: ReadPlan | None
+    ) -> Spread | None:
+        """The exchange of the chunks in ``reader_of`` (digest -> its reader), its receives posted.
 
         The plan (:func:`~shoal.group.exchange.plan_exchange`) sends each chunk once to every
-        other host that needs it; that host's relay forwards it inside the host. Every receive
-        is posted at once, straight into its destination; each chunk is verified before it is
-        used or placed elsewhere. A relay forwards what it received even when it failed to
-        verify: its receivers verify it too, and none is left waiting. Returns the error that
-        spoiled a received chunk, if any (after the exchange finished).
+        other host that needs it; that host's relay forwards it inside the host. Every rank
+        computes it alike, from the agreed readers and needs; with ``plan`` (the read plan),
+        each reader's chunks go in the order it reads them. None on a one-rank fabric.
         """
         ctx = self.ctx
         if ctx.fabric.world_size == 1:
             return None
-        # Every rank computes the same plan from the same (agreed) readers and needs.
         manifest = self.manifest
         assert manifest is not None
-        needs_all = [sorted({d for k in keys for d in manifest.items[k].chunks}) for keys in self._needs]
-        plan = plan_exchange(reader_of, needs_all, ctx.topology.rank_hosts)
-        me = self.rank
-        incoming = plan.incoming_at(me)
-        receives = ctx.fabric.post_receives([(x.src, places[x.digest][0]) for x in incoming])
-        works = ctx.fabric.post_sends([(x.dst, [held[x.digest]]) for x in plan.sends_at(me)])
-        forwards = plan.forwards_at(me)
-        error: str | None = None
-        for x, work in zip(incoming, receives, strict=True):
-            work.wait()
-            view = places[x.digest][0]
-            if x.digest in forwards:
-                works += ctx.fabric.post_sends([(dst, [view]) for dst in forwards[x.digest]])
-            if error is None:  # after an error, keep receiving so the senders can finish
-                how = f"from rank {x.src}" + (" (relayed within the host)" if x.relayed else "")
-                error = self._accept(x.digest, view, places, how)
-                self._stats.relayed += view.nbytes if x.relayed and error is None else 0
-        ctx.fabric.wait_all(works)
-        return error
+        items = manifest.items
+        needs_all = [sorted({d for k in ks for d in items[k].chunks if d in reader_of}) for ks in self._needs]
+        lengths: dict[str, int] = {}
+        for key in {k for keys in self._needs for k in keys}:
+            for d, _, n in manifest.chunk_spans(key):
+                lengths[d] = n
+        order = _read_order(plan, ctx.topology.rank_hosts) if plan is not None else None
+        step = manifest.step
+        return Spread(
+            ctx.fabric,
+            plan_exchange(reader_of, needs_all, ctx.topology.rank_hosts, order),
+            places,
+            lengths,
+            lambda d, how: f"step {step}: chunk {d} arrived {how}",
+            self._stats.spread,
+        )
+
+    def _wait(self, spread: Spread) -> dict[str, str]:
+        """The rest of ``spread`` after this rank's reads (timed as the ``exchange`` phase)."""
+        t0 = time.perf_counter()
+        try:
+            return spread.finish()
+        finally:
+            self._add_phase("exchange", time.perf_counter() - t0)
+
+
+def _read_order(plan: ReadPlan, rank_hosts: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """Per digest, where its reader reads it in its fetch: (the file's turn, the offset in it).
+
+    The fetcher reads a rank's chunks file by file, in the order their files first appear in
+    the rank's reads, each file by offset; a chunk's file is its first source the reader's host
+    can reach. Every rank computes the same from the agreed plan; where a reader's fetch goes
+    otherwise (a source that fails), only how soon its sends go changes, not what is sent.
+    """
+    order: dict[str, tuple[int, int]] = {}
+    for reader, reads in plan.reads.items():
+        host = rank_hosts[reader]
+        files: dict[tuple[str, str | None, str, bool], int] = {}
+        for r in reads:
+            s = next((s for s in r.sources if s.host is None or s.host == host), None)
+            if s is None:
+                continue
+            turn = files.setdefault((s.tier, s.host, s.path, s.slab), len(files))
+            order[r.digest] = (turn, s.offset)
+    return order
 
 
 def _cores() -> int:

@@ -1,4 +1,4 @@
-"""After a load's reads, who sends which chunk to whom (docs/design.md section 5): pure, every rank alike.
+"""Who sends which chunk of a load to whom (docs/design.md section 5): pure, every rank alike.
 
 Each chunk was read by one rank (its *reader*). It reaches every other rank that needs it in
 at most two hops, and crosses to each other host once:
@@ -16,12 +16,13 @@ every link sends and receives at the same time.
 :func:`plan_exchange` returns an :class:`ExchangePlan` that every rank computes alike. No header
 travels: between two ranks, messages match in the order they were posted, and the plan fixes
 that order. Each rank posts every receive of both rounds at once (straight into its
-destination buffers) and its round-1 sends, then takes its receives in
+destination buffers) and its round-1 sends (the restore posts them before it reads, and each
+send as soon as its chunk is read, in ``order``), then takes its receives in
 :meth:`ExchangePlan.incoming_at` order (round 1, then round 2; each round one chunk from each
 sender in turn, so that it takes them about as they arrive) and forwards each chunk it relays
 as soon as it has it. A relay's round-2 sends follow the order it takes its round-1 chunks in.
-Round-2 receives come last, and every round-1 send is posted at the start, so no rank can wait
-on another that waits on it.
+Round-2 receives come last, and no round-1 send waits for a receive, so no rank can wait on
+another that waits on it.
 """
 
 from __future__ import annotations
@@ -84,15 +85,20 @@ class ExchangePlan:
 
 
 def plan_exchange(
-    reader_of: Mapping[str, int], needs: Sequence[Sequence[str]], rank_hosts: Sequence[str]
+    reader_of: Mapping[str, int],
+    needs: Sequence[Sequence[str]],
+    rank_hosts: Sequence[str],
+    order: Mapping[str, tuple[int, int]] | None = None,
 ) -> ExchangePlan:
-    """Both rounds of the exchange after a load's reads.
+    """Both rounds of the exchange of a load's chunks.
 
-    ``reader_of``: digest -> the rank that read it; ``needs[r]``: the digests rank ``r`` needs
+    ``reader_of``: digest -> the rank that reads it; ``needs[r]``: the digests rank ``r`` needs
     (each once); ``rank_hosts[r]``: rank ``r``'s host. A rank never receives a chunk it read,
-    nor one chunk twice. Chunks go in the order of (reader, digest). Time and size are linear
-    in the deliveries.
+    nor one chunk twice. Chunks go in the order of (reader, ``order[digest]``, digest): with
+    ``order`` the order each reader reads its chunks in, a reader can send each chunk as soon as
+    it has read it. Time and size are linear in the deliveries.
     """
+    rank_of = order or {}
     world = len(rank_hosts)
     consumers: dict[str, list[int]] = {}
     for rank, digests in enumerate(needs):
@@ -102,7 +108,7 @@ def plan_exchange(
     targets: dict[tuple[int, str], list[int]] = {}
     """(relay, digest) -> the ranks of the relay's host it forwards the chunk to."""
     turn: dict[str, int] = {}
-    for d in sorted(consumers, key=lambda d: (reader_of[d], d)):
+    for d in sorted(consumers, key=lambda d: (reader_of[d], rank_of.get(d, (0, 0)), d)):
         src = reader_of[d]
         by_host: dict[str, list[int]] = {}
         for r in consumers[d]:

@@ -180,6 +180,10 @@ class FetchResult:
 
 OnRead = Callable[[SourceFile, int, memoryview], None]
 """Called with ``(file, offset, bytes)`` after each successful range read, before any check."""
+OnDelivered = Callable[[int, memoryview], None]
+"""Called with ``(request index, its verified bytes)`` as each request is delivered, in the order
+they are: the bytes are its first destination's, else its kept bytes (``keep``), else a view of
+the scratch buffer that is good only during the call."""
 
 
 class Fetcher:
@@ -216,12 +220,20 @@ class Fetcher:
         self._maps: dict[SourceFile, memoryview | Exception | None] = {}
         """The slabs mapped during one :meth:`fetch` (or why one could not be), dropped at its end."""
         self._checker: ThreadPoolExecutor | None = None
+        self._on_delivered: OnDelivered | None = None
 
-    def fetch(self, requests: Sequence[ChunkRequest]) -> FetchResult:
-        """Read, verify and place every request; try each failed one at its next source, until done."""
+    def fetch(
+        self, requests: Sequence[ChunkRequest], *, on_delivered: OnDelivered | None = None
+    ) -> FetchResult:
+        """Read, verify and place every request; try each failed one at its next source, until done.
+
+        ``on_delivered``: told of each request as soon as it is delivered (the restore starts
+        sending a chunk to the ranks that need it while it reads the next)."""
+        self._on_delivered = on_delivered
         try:
             return self._fetch(requests)
         finally:
+            self._on_delivered = None
             self._maps.clear()  # the mappings go with their last views
             if self._checker is not None:
                 self._checker.shutdown(wait=True)
@@ -349,10 +361,19 @@ class Fetcher:
             if req.keep:  # the scratch buffer is reused: a copy of its own (a mapped source lends it)
                 result.kept[i] = chunk if chunk.readonly else memoryview(bytes(chunk))
             result.copy_seconds += perf_counter() - t2
-            result.used[i] = at[i]
+            self._delivered(i, chunk, requests, at, result)
             delivered += req.length
         if delivered:
             result.bytes_by_kind[file.kind] = result.bytes_by_kind.get(file.kind, 0) + delivered
+
+    def _delivered(
+        self, i: int, chunk: memoryview, requests: Sequence[ChunkRequest], at: list[int], result: FetchResult
+    ) -> None:
+        """Request ``i`` is delivered (``chunk``: its verified bytes); tell ``on_delivered``."""
+        result.used[i] = at[i]
+        if self._on_delivered is not None:
+            req = requests[i]
+            self._on_delivered(i, req.dests[0] if req.dests else result.kept.get(i, chunk))
 
     def _checked(
         self,
@@ -412,7 +433,7 @@ class Fetcher:
         if req.keep:
             result.kept[i] = first
         result.copy_seconds += perf_counter() - t2
-        result.used[i] = at[i]
+        self._delivered(i, first, requests, at, result)
         result.bytes_by_kind[file.kind] = result.bytes_by_kind.get(file.kind, 0) + req.length
 
     def _mapped_range(self, file: SourceFile, start: int, end: int) -> memoryview | None:
@@ -492,7 +513,7 @@ class Fetcher:
             if req.keep:
                 result.kept[i] = chunk  # the source's own bytes, verified: no copy
             result.copy_seconds += perf_counter() - t2
-            result.used[i] = at[i]
+            self._delivered(i, chunk, requests, at, result)
             delivered += req.length
         if delivered:
             result.bytes_by_kind[file.kind] = result.bytes_by_kind.get(file.kind, 0) + delivered
@@ -535,6 +556,7 @@ __all__ = [
     "FetchResult",
     "Failure",
     "Fetcher",
+    "OnDelivered",
     "OnRead",
     "SourceFile",
     "fetch_chunks",

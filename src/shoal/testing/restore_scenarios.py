@@ -284,3 +284,53 @@ def repair_across_hosts(rank: int, world: int, *, root: str) -> dict[str, Any]:
         report = ckpt.last_load
         assert report is not None
         return {"repaired": report.repaired, "by_tier": dict(report.bytes_by_tier)}
+
+
+def _spoil_copies(paths: list[str], chunks: list[bytes]) -> int:
+    """Flip a byte of every copy of each of ``chunks`` in every file under ``paths``; how many."""
+    spoiled = 0
+    for top in paths:
+        for folder, _, names in os.walk(top):
+            for name in names:
+                path = os.path.join(folder, name)
+                with open(path, "rb") as f:
+                    data = f.read()
+                for chunk in chunks:
+                    at = data.find(chunk[:64])
+                    while at >= 0:
+                        flip_byte(path, at + 5)
+                        spoiled += 1
+                        at = data.find(chunk[:64], at + 1)
+    return spoiled
+
+
+def repair_replicated_across_hosts(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """Every rank loads one model, and every copy on host h0 and on shared storage is damaged: each
+    chunk an h0 rank reads fails there after the exchange has begun (its receivers get a
+    placeholder that does not verify), is read again on h1 and sent again; the load is bit-exact."""
+    state = model_state(tensors=4)
+    with Checkpointer(group_config(root)) as ckpt:
+        ckpt.save(1, state).wait(timeout=60)  # every boundary: on shared storage too
+        dist.barrier()
+        if rank == 0:
+            raw = [t.numpy().tobytes() for t in state["model"].values()]
+            chunk = ckpt.config.chunk_size
+            pieces = [b[i : i + chunk] for b in raw for i in range(0, len(b), chunk)]
+            spoiled = _spoil_copies(
+                [os.path.join(root, "dram", "test", "h0"), os.path.join(root, "local", "test", "h0"),
+                 os.path.join(root, "shared")],
+                pieces,
+            )  # fmt: skip
+            assert spoiled >= 2 * len(pieces), spoiled  # h0's copies and the shared one
+        dist.barrier()
+        target = zeros_like_state(state)
+        assert ckpt.load(target, heal=False) == 1
+        assert_state_equal(target, state)
+        report = ckpt.last_load
+        assert report is not None
+        return {
+            "repaired": report.repaired,
+            "by_tier": dict(report.bytes_by_tier),
+            "fabric": report.fabric_bytes,
+            "unique_bytes": sum(len(b) for b in (t.numpy().tobytes() for t in state["model"].values())),
+        }
