@@ -126,8 +126,10 @@ def _conditions(cluster: Any, job: JobSpec, seed: int) -> Iterator[list[tuple[fl
         yield timeline
 
 
-def _run_job(cluster: Any, job: JobSpec, index: int, saves: int, roots: Mapping[str, str]) -> dict[str, Any]:
-    """One job of the sweep under its conditions: its records, its spec and the storage timeline."""
+def _run_job(
+    cluster: Any, job: JobSpec, index: int, saves: int, roots: Mapping[str, str], probe_bytes: int = 0
+) -> dict[str, Any]:
+    """One job of the sweep under its conditions: its records and probes, its spec, the storage timeline."""
     args = {
         **roots,
         "bucket": f"fidelity-{secrets.token_hex(4)}",
@@ -136,15 +138,18 @@ def _run_job(cluster: Any, job: JobSpec, index: int, saves: int, roots: Mapping[
         "shard_bytes": int(job.shard_mib * MIB),
         "streams": job.streams,
         "pause_s": 0.3,
+        "probe_bytes": probe_bytes,
     }
     with _conditions(cluster, job, seed=index) as timeline:
         ranks = cluster.run_ranks(SCENARIO, job.ranks_per_host, args, timeout=900, hosts=job.hosts)
         timeline = list(timeline)
     records = [r for out in ranks for r in out["records"]]
-    return {"index": index, "spec": job.__dict__, "records": records, "storage_timeline": timeline}
+    probes = [p for out in ranks for p in out.get("probes", ())]
+    spec = job.__dict__
+    return {"index": index, "spec": spec, "records": records, "probes": probes, "storage_timeline": timeline}
 
 
-def sweep(saves: int, rounds: int, only: int | None, out: str) -> dict[str, Any]:
+def sweep(saves: int, rounds: int, only: int | None, out: str, probe_bytes: int = 0) -> dict[str, Any]:
     """Run every configuration ``rounds`` times, each job on a fresh cluster; the raw records.
 
     What is done so far is written to ``out`` after every job (a sweep cut short keeps it)."""
@@ -157,6 +162,7 @@ def sweep(saves: int, rounds: int, only: int | None, out: str) -> dict[str, Any]
         "cluster": {"host_mbit": HOST_MBIT, "storage_mbit": STORAGE_MBIT, "hosts": spec.hosts},
         "saves": saves,
         "rounds": rounds,
+        "probe_bytes": probe_bytes,
         "jobs": jobs,
     }
     configs = SWEEP if only is None else SWEEP[:only]
@@ -170,7 +176,7 @@ def sweep(saves: int, rounds: int, only: int | None, out: str) -> dict[str, Any]
             }
             try:
                 with Cluster(spec) as cluster:
-                    jobs.append(_run_job(cluster, job, index, saves, roots))
+                    jobs.append(_run_job(cluster, job, index, saves, roots, probe_bytes))
             finally:
                 for root in roots.values():
                     shutil.rmtree(root, ignore_errors=True)
@@ -195,6 +201,8 @@ def checkpoints_of(data: Mapping[str, Any]) -> list[Any]:
 
     out = []
     for job in data["jobs"]:
+        timed = [p for p in job.get("probes", ()) if p["end"] > p["start"]]
+        probes = {p["step"]: p["bytes"] / (p["end"] - p["start"]) for p in timed}  # bytes per second
         by_step: dict[int, list[dict[str, Any]]] = {}
         for r in job["records"]:
             by_step.setdefault(r["step"], []).append(r)
@@ -206,7 +214,9 @@ def checkpoints_of(data: Mapping[str, Any]) -> list[Any]:
                 if r["end"] > r["start"]
             )
             start, end = min(r["start"] for r in rs), max(r["end"] for r in rs)
-            out.append(Checkpoint(f"job{job['index']}", samples, start, end, job["spec"]["regime"]))
+            out.append(
+                Checkpoint(f"job{job['index']}", samples, start, end, job["spec"]["regime"], probes.get(step))
+            )
     return out
 
 
@@ -456,6 +466,10 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--plot", default=None, help="write a PNG of predicted against observed here")
     parser.add_argument(
+        "--probe-kib", type=int, default=0,
+        help="the sweep: probe the tier before each save with one object of this many KiB (0: none)",
+    )  # fmt: skip
+    parser.add_argument(
         "--calibrate", choices=("order", "slowest", "writers", "none"), default="order",
         help="refit the spread for predictions from recent states by each checkpoint's slowest writer "
         "(sigma and tau), by the gap between its median and slowest writer (sigma, then tau: the default), "
@@ -481,7 +495,7 @@ def main() -> int:
         if why is not None:
             print(f"model_fidelity: {why}", file=sys.stderr)
             return 2
-        data = sweep(args.saves, args.rounds, args.only, args.out)
+        data = sweep(args.saves, args.rounds, args.only, args.out, args.probe_kib << 10)
         print(f"raw samples: {args.out}", file=sys.stderr)
     result = evaluate(data, args.fraction, args.window, args.latency, args.calibrate, args.spread_window)
     _print_scores(result)

@@ -114,6 +114,9 @@ class Checkpoint:
     """When its last writer ended."""
     regime: str = ""
     """A label for scoring per regime (the harness's conditions; never an input)."""
+    probe: float | None = None
+    """The rate (bytes per second) a probe of the tier got just before it began, if one was taken
+    (a ``+probe`` state rule follows it, :mod:`shoal.model.states`)."""
 
     @property
     def writers(self) -> int:
@@ -183,7 +186,7 @@ def _states(
     def rate_state(c: Checkpoint) -> TierState | None:
         """The state ``c``'s job's history gives (None: no history)."""
         past = history(pool, c, len(pool))
-        return estimator.state([p.samples for p in past]) if past else None
+        return estimator.state([p.samples for p in past], [p.probe for p in past], c.probe) if past else None
 
     def residual(c: Checkpoint) -> tuple[float, int] | None:
         """ln(observed / predicted) of ``c``'s typical writer, and its writers (None: no history)."""

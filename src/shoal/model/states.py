@@ -24,6 +24,19 @@ many average the luck out but lag a step. Which wins depends on the tier, so a
   their errors are known. Only what the job has seen decides. It is
   :class:`~shoal.model.paths.PathModel`'s rule.
 
+A rule with ``+probe`` (``"matched:all+probe"``) also takes a *probe* of the tier: the rate
+one small write got just before each checkpoint began (its bytes over its seconds). The tier's
+weather moves the probe and the checkpoint's writers alike, so the rule keeps, over its window,
+the median of ``ln b_shared - ln probe`` (each checkpoint's own estimate, as ``matched``, over
+the probe taken before it: what the tier gives the job's writers relative to one probe) and
+adds the log of the probe now. A probe is one write, with luck of its own: it pays only where
+the tier's weather moves the checkpoints more than that luck. So the rule follows the probe
+only where, over its window (and :data:`PROBE_MIN_CHECKPOINTS` or more probed checkpoints),
+``ln b_shared - ln probe`` spreads less than ``ln b_shared`` alone (median absolute
+deviations): where the probes explain what the checkpoints did. Else it is its rule without
+the probe. A steady tier is then predicted as before, and a step in the weather is seen at the
+checkpoint right after it instead of several checkpoints later.
+
 :class:`StateEstimator` applies a rule to a job's history (oldest first) and remembers each
 checkpoint's own estimate and each candidate's predictions, so a running job pays for one new
 estimate per checkpoint. Pure: numbers in, numbers out.
@@ -41,7 +54,13 @@ from scipy import optimize
 from shoal.errors import ConfigError
 from shoal.model.writers import TierState, WriterFit, WriterSample, estimate_state
 
-__all__ = ["ADAPTIVE_CANDIDATES", "ADAPTIVE_LOOKBACK", "StateEstimator", "StateRule"]
+__all__ = [
+    "ADAPTIVE_CANDIDATES",
+    "ADAPTIVE_LOOKBACK",
+    "PROBE_MIN_CHECKPOINTS",
+    "StateEstimator",
+    "StateRule",
+]
 
 ALL = 0
 """A rule's window that means every checkpoint the job has."""
@@ -55,23 +74,32 @@ class StateRule:
     """``pooled``, ``median``, ``matched`` or ``adaptive``."""
     window: int = 2
     """Checkpoints it looks back over (``ALL``, 0: every one); unused by ``adaptive``."""
+    probe: bool = False
+    """Whether it also follows the probes of the tier (``+probe``, see the module; a ``matched``
+    rule only)."""
 
     def __post_init__(self) -> None:
         if self.how not in ("pooled", "median", "matched", "adaptive"):
             raise ConfigError(f"a state rule is pooled, median, matched or adaptive, got {self.how!r}")
         if self.window < 0 or (self.how == "pooled" and self.window == ALL):
             raise ConfigError(f"a {self.how} state rule needs a window >= 1, got {self.window!r}")
+        if self.probe and self.how != "matched":
+            raise ConfigError(f"only a matched state rule follows probes ('matched:W+probe'), got {self}")
 
     @classmethod
     def parse(cls, text: str) -> StateRule:
-        """``"pooled:2"``, ``"median:4"``, ``"median:all"``, ``"matched:all"`` or ``"adaptive"``."""
-        how, _, window = text.strip().partition(":")
+        """``"pooled:2"``, ``"median:4"``, ``"median:all"``, ``"matched:all"``, ``"matched:all+probe"``
+        or ``"adaptive"``."""
+        base, plus, extra = text.strip().partition("+")
+        if plus and extra != "probe":
+            raise ConfigError(f"a state rule's only suffix is '+probe', got {text!r}")
+        how, _, window = base.partition(":")
         if how == "adaptive":
             if window:
                 raise ConfigError(f"the adaptive state rule takes no window, got {text!r}")
-            return cls("adaptive", ALL)
+            return cls("adaptive", ALL, probe=bool(plus))
         if window == "all":
-            return cls(how, ALL)
+            return cls(how, ALL, probe=bool(plus))
         try:
             size = int(window)
         except ValueError:
@@ -79,14 +107,14 @@ class StateRule:
         if how not in ("pooled", "median", "matched") or size is None:
             raise ConfigError(
                 "a state rule is 'pooled:W', 'median:W', 'median:all', 'matched:W', 'matched:all' "
-                f"or 'adaptive', got {text!r}"
+                f"(either with '+probe') or 'adaptive', got {text!r}"
             )
-        return cls(how, size)
+        return cls(how, size, probe=bool(plus))
 
     def __str__(self) -> str:
         if self.how == "adaptive":
             return "adaptive"
-        return f"{self.how}:{'all' if self.window == ALL else self.window}"
+        return f"{self.how}:{'all' if self.window == ALL else self.window}" + ("+probe" if self.probe else "")
 
 
 ADAPTIVE_CANDIDATES = (
@@ -99,6 +127,13 @@ ADAPTIVE_CANDIDATES = (
 """What ``adaptive`` chooses among, the longest memory first (its default, and the choice on a tie)."""
 ADAPTIVE_LOOKBACK = 6
 """How many of the job's newest checkpoints ``adaptive`` scores the candidates on."""
+PROBE_MIN_CHECKPOINTS = 4
+"""Probed checkpoints a ``+probe`` rule needs in its window before it may follow the probe."""
+
+
+def _mad(values: np.ndarray) -> float:
+    """The median absolute deviation from the median."""
+    return float(np.median(np.abs(values - np.median(values))))
 
 
 def _key(samples: Sequence[WriterSample]) -> int:
@@ -139,14 +174,46 @@ class StateEstimator:
         self.last_choice: StateRule | None = None
         """The rule ``adaptive`` used for the newest state (else the rule itself)."""
 
-    def state(self, history: Sequence[Sequence[WriterSample]]) -> TierState | None:
-        """The tier state for the job's next checkpoint (None: no history yet)."""
-        history = [h for h in history if h]
-        if not history:
+    def state(
+        self,
+        history: Sequence[Sequence[WriterSample]],
+        probes: Sequence[float | None] | None = None,
+        probe: float | None = None,
+    ) -> TierState | None:
+        """The tier state for the job's next checkpoint (None: no history yet).
+
+        ``probes``: the rate (bytes per second) a probe of the tier got just before each
+        checkpoint of ``history`` (None where there was none); ``probe``: the one just taken,
+        before the next. A ``+probe`` rule uses them (see the module); without them it is its
+        rule without the probe."""
+        if probes is not None and len(probes) != len(history):
+            raise ConfigError(f"{len(probes)} probes for {len(history)} checkpoints: one per checkpoint")
+        pairs = list(zip(history, probes if probes is not None else [None] * len(history), strict=True))
+        pairs = [(h, p) for h, p in pairs if h]
+        if not pairs:
             return None
+        history = [h for h, _ in pairs]
         rule = self._choose(history) if self.rule.how == "adaptive" else self.rule
         self.last_choice = rule
+        if rule.probe and probe is not None:
+            followed = self._follow_probe(rule, pairs, probe)
+            if followed is not None:
+                return followed
         return self._apply(rule, history)
+
+    def _follow_probe(
+        self, rule: StateRule, pairs: Sequence[tuple[Sequence[WriterSample], float | None]], probe: float
+    ) -> TierState | None:
+        """The ``+probe`` state (see the module), or None where no checkpoint had a probe before it."""
+        probed = [(self.matched(h), math.log(p)) for h, p in pairs if p is not None and p > 0]
+        window = probed if rule.window == ALL else probed[-rule.window :]
+        if len(window) < PROBE_MIN_CHECKPOINTS or probe <= 0:
+            return None
+        alone = np.array([b for b, _ in window])
+        relative = alone - np.array([r for _, r in window])
+        if _mad(relative) >= _mad(alone):  # the probes explain nothing the checkpoints did
+            return None
+        return TierState(math.exp(float(np.median(relative)) + math.log(probe)))
 
     def own(self, samples: Sequence[WriterSample]) -> float:
         """ln b_shared that one checkpoint's writers alone give (remembered)."""

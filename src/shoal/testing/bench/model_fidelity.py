@@ -10,10 +10,15 @@ The pack size is chosen so that each rank's share goes out as exactly ``streams`
 flight at once (:func:`pack_bytes_for`): every pack is then one writer of the model, the
 checkpoint's writers are ``draining ranks x streams``, all concurrent, and the drain is done when
 the slowest pack is. The first save is a warm-up (s3fs connections, slabs) and is not returned.
+
+With ``probe_bytes``, rank 0 probes the tier just before each save: one object of that many
+bytes written to the shared tier and timed (:func:`probe_tier`), then deleted after the save. Its
+rate is what a job could learn of the tier's weather at the moment a checkpoint starts.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -28,7 +33,9 @@ from shoal.records.events import WriterRecord, read_events
 from shoal.testing.bench.cluster_save import prepare_bucket
 from shoal.testing.cluster.scenarios import cluster_config
 
-__all__ = ["CHUNK", "drain_sweep", "pack_bytes_for", "pack_records"]
+__all__ = ["CHUNK", "drain_sweep", "pack_bytes_for", "pack_records", "probe_tier"]
+
+PROBE_PATH = "probe/object"
 
 CHUNK = 64 << 10
 """Chunk size of the sweep: a rank's share of a few hundred KiB still cuts into ``streams`` packs."""
@@ -75,6 +82,13 @@ def pack_records(events: Iterable[Any], rank: int, steps: Iterable[int]) -> list
     ]
 
 
+def probe_tier(tier: Any, payload: bytes, step: int) -> dict[str, Any]:
+    """Write ``payload`` to ``tier`` once, timed: ``{"step", "bytes", "start", "end"}`` (monotonic)."""
+    start = time.monotonic()
+    tier.write(PROBE_PATH, payload)
+    return {"step": step, "bytes": len(payload), "start": start, "end": time.monotonic()}
+
+
 def _state(rank: int, shard_bytes: int) -> dict[str, Any]:
     """This rank's own state: one tensor of ``shard_bytes`` that no other rank holds."""
     g = torch.Generator().manual_seed(20_000 + rank)
@@ -93,13 +107,15 @@ def drain_sweep(
     shard_bytes: int,
     streams: int,
     pause_s: float = 0.0,
+    probe_bytes: int = 0,
     config: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Save ``saves`` timed checkpoints (after one warm-up); return this rank's drain-pack records.
 
     ``pause_s`` is the compute between checkpoints (the tier's weather moves meanwhile);
-    ``config`` overrides the sweep's settings. Returns ``{"rank", "records", "saves"}``; each
-    save waits for the checkpoint to be restartable (B4) before the next begins.
+    ``config`` overrides the sweep's settings. Returns ``{"rank", "records", "saves", "probes"}``
+    (``probes``: rank 0's, see the module); each save waits for the checkpoint to be restartable
+    (B4) before the next begins.
     """
     prepare_bucket(rank, bucket)
     state = _state(rank, shard_bytes)
@@ -113,12 +129,20 @@ def drain_sweep(
         **(config or {}),
     }
     cfg = cluster_config(bucket=bucket, dram_root=dram_root, local_root=local_root, **settings)
+    payload = os.urandom(probe_bytes)
+    probes: list[dict[str, Any]] = []
     with Checkpointer(cfg) as ckpt:
         for step in range(saves + 1):
             for t in state["optim"].values():
                 t.add_(1.0)
             dist.barrier()
+            if probe_bytes:
+                if rank == 0:
+                    probes.append(probe_tier(ckpt.shared, payload, step))
+                dist.barrier()
             ckpt.save(step, state).wait(Boundary.RESTARTABLE, timeout=WAIT_S)
+            if probe_bytes and rank == 0:
+                ckpt.shared.delete(PROBE_PATH)
             if pause_s > 0:
                 time.sleep(pause_s)
         ckpt.wait()
@@ -127,4 +151,4 @@ def drain_sweep(
         raise RuntimeError("the checkpointer resolved no event log path")
     records = pack_records(read_events(event_log, kinds=("write",)), rank, range(1, saves + 1))
     dist.barrier()
-    return {"rank": rank, "records": records, "saves": saves}
+    return {"rank": rank, "records": records, "saves": saves, "probes": [p for p in probes if p["step"] >= 1]}
