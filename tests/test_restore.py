@@ -170,3 +170,19 @@ def test_chunks_that_fail_at_their_reader_after_the_exchange_began_are_sent_agai
     # Each unique byte reaches the three ranks that did not read it, once verified: the
     # placeholders that did not verify are not counted.
     assert first["fabric"] == 3 * first["unique_bytes"]
+
+
+def test_a_chunk_sent_on_unchecked_that_arrives_spoiled_is_read_again_from_another_copy(tmp_path):
+    """Host h0 is lost: h1 reads h0's shards from its partner copies and sends them on without
+    checking them (the receivers do). One of those copies is damaged: its receiver finds it,
+    and the load reads that chunk again from shared storage."""
+    root = str(tmp_path)
+    run_ranks(rs.save_then_crash, hosts=HOSTS, kwargs={"root": root}, allow_death=[0, 1, 2, 3], timeout=LIMIT)
+    _lose_host(root, "h0")
+    chunk = rs.first_chunk_of_rank_zero(1, 64 << 10)
+    assert rs.spoil_copies([os.path.join(root, "local", "test", "h1")], [chunk]) == 1
+    results = run_ranks(rs.load_step_one, hosts=HOSTS, kwargs={"root": root}, timeout=LIMIT)
+    first = results[0]  # every rank compared its tensors bit for bit
+    assert first["repaired"] == 1
+    assert first["by_tier"]["local"] > 0 and first["by_tier"]["shared"] == 64 << 10  # the one chunk again
+    assert all(r == first for r in results)

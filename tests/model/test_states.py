@@ -27,7 +27,8 @@ def _checkpoint(cid: int, b_shared: float, writers: int = 8, seed: int = 0) -> t
 
 
 @pytest.mark.parametrize(
-    "text", ["pooled:2", "median:4", "median:all", "matched:8", "matched:all", "adaptive"]
+    "text",
+    ["pooled:2", "median:4", "median:all", "matched:8", "matched:all", "adaptive", "matched:all+probe"],
 )
 def test_a_rule_reads_back_from_its_text(text: str) -> None:
     assert str(StateRule.parse(text)) == text
@@ -36,7 +37,8 @@ def test_a_rule_reads_back_from_its_text(text: str) -> None:
 @pytest.mark.parametrize(
     ("text", "match"),
     [("pooled:all", "window >= 1"), ("mean:3", "is .pooled:W."), ("median:x", "is 'pooled:W'"),
-     ("adaptive:3", "takes no window"), ("pooled:-1", "window >= 1")],
+     ("adaptive:3", "takes no window"), ("pooled:-1", "window >= 1"), ("median:4+probe", "only a matched"),
+     ("matched:4+pro", "only suffix")],
 )  # fmt: skip
 def test_a_bad_rule_says_what_was_wrong(text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -126,3 +128,41 @@ def test_matched_falls_back_to_the_checkpoints_own_estimate_where_the_tier_never
     fast = tuple(WriterSample(k, 8 * MB, 0.2, 1, 0.2) for k in range(1))
     estimator = StateEstimator(MODEL, StateRule.parse("matched:all"))
     assert estimator.matched(fast) == estimator.own(fast)
+
+
+def _probe(b_shared: float, rng: np.random.Generator, luck: float) -> float:
+    """A probe's rate: a fixed share of the tier, with ``luck`` (its spread in ln) of its own."""
+    return 0.2 * b_shared * math.exp(rng.normal(0.0, luck))
+
+
+def test_a_probed_rule_sees_a_step_at_the_first_checkpoint_after_it() -> None:
+    rng = np.random.default_rng(5)
+    rates = [200 * MB] * 8 + [80 * MB] * 2 + [200 * MB] * 3
+    history = [_checkpoint(k, b) for k, b in enumerate(rates)]
+    probes: list[float | None] = [_probe(b, rng, 0.03) for b in rates]
+    probed = StateEstimator(MODEL, StateRule.parse("matched:all+probe"))
+    plain = StateEstimator(MODEL, StateRule.parse("matched:all"))
+    # the tier steps down just before the next checkpoint: only its probe knows
+    now = _probe(80 * MB, rng, 0.03)
+    state, lagging = probed.state(history, probes, now), plain.state(history)
+    assert state is not None and lagging is not None
+    assert state.b_shared == pytest.approx(80 * MB, rel=0.15)
+    assert lagging.b_shared == pytest.approx(200 * MB, rel=0.15)
+    # without a probe now (or any before), it is its rule alone
+    assert probed.state(history, probes, None) == lagging
+    assert probed.state(history, [None] * len(history), now) == lagging
+
+
+def test_on_a_steady_tier_a_probe_with_luck_of_its_own_is_not_followed() -> None:
+    rng = np.random.default_rng(9)
+    history = [_checkpoint(k, 150 * MB, seed=2) for k in range(12)]
+    probes: list[float | None] = [_probe(150 * MB, rng, 0.3) for _ in history]
+    probed = StateEstimator(MODEL, StateRule.parse("matched:all+probe"))
+    state = probed.state(history, probes, _probe(150 * MB, rng, 0.3) * 2)  # an unlucky probe now
+    assert state == StateEstimator(MODEL, StateRule.parse("matched:all")).state(history)
+
+
+def test_probes_must_be_one_per_checkpoint() -> None:
+    history = [_checkpoint(k, 150 * MB) for k in range(3)]
+    with pytest.raises(ConfigError, match="2 probes for 3 checkpoints"):
+        StateEstimator(MODEL, StateRule.parse("matched:all+probe")).state(history, [1.0, 2.0], 1.0)

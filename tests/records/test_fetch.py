@@ -393,3 +393,20 @@ def test_each_chunk_is_handed_on_once_as_it_is_delivered_verified_never_before(
     assert all(data == chunks[i][2] for i, data in seen)  # verified bytes, never the damaged copy
     assert bytes(result.kept[3]) == chunks[3][2]
     assert [bytes(o) for o in outs[:3]] == [c[2] for c in chunks[:3]]
+
+
+@pytest.mark.parametrize("lend", [False, True])
+def test_a_chunk_kept_to_send_on_unchecked_is_handed_back_as_read(tmp_path: Path, lend: bool) -> None:
+    """``check=False``: the restore's reader of a chunk only others need leaves the check to them."""
+    tier = CountingTier(tmp_path / "t")
+    chunks = write_pack(tier, "p.pack", [2000, 3000])
+    flip(tier, "p.pack", 2000 + 10)
+    source = SourceFile(tier, "p.pack", kind="local")
+    unchecked = ChunkRequest(chunks[1][0], 3000, [], [ChunkSource(source, 2000)], keep=True, check=False)
+    checked = ChunkRequest(chunks[1][0], 3000, [], [ChunkSource(source, 2000)], keep=True)
+    result = Fetcher(lend=lend).fetch([unchecked, checked])
+    assert result.used == [0, None]
+    assert bytes(result.kept[0]) != chunks[1][2] and len(result.kept[0]) == 3000  # the damaged bytes
+    assert "ChecksumMismatch" in result.failures[1][0].describe()  # the same bytes, checked
+    with pytest.raises(ValueError, match="checked where it is read"):
+        ChunkRequest(chunks[0][0], 2000, [memoryview(bytearray(2000))], [], check=False)

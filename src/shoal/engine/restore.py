@@ -345,8 +345,10 @@ class Restore:
         The first exchange is planned from the first read plan and runs during the reads: each
         chunk goes as soon as it is read (:class:`~shoal.engine.spread.Spread`). It ends before
         R5, so no collective runs while chunks are in flight. A chunk some rank failed to read
-        went out as a placeholder: its receivers' errors about it are dropped, and it goes again
-        from its new reader in an exchange after the repairs.
+        went out as a placeholder; a chunk only other ranks need went out unchecked (its
+        receivers check it). What arrived spoiled is reported at R5 beside what failed, and read
+        again, checked this time (from the same copies, so the reader finds the bad one and
+        goes on to the next); it goes again from its new reader in an exchange after the repairs.
         """
         ctx = self.ctx
         reader_of = {r.digest: reader for reader, reads in plan.reads.items() for r in reads}
@@ -355,17 +357,19 @@ class Restore:
         repaired: dict[str, int] = {}
         for round_ in range(_MAX_ROUNDS):
             failed = self._read(plan.reads_at(self.rank), places, held, repairing=round_ > 0, spread=spread)
+            spoiled: list[tuple[str, str]] = []
             if spread is not None:
                 errors.update(self._wait(spread))
                 spread = None
+                spoiled = list(errors.items())
             # R5 on every rank: where nothing failed anywhere (the usual case) no repair plan
             # needs to be broadcast, so a clean load pays one collective here, not two.
-            failures = ctx.fabric.all_gather(failed)
-            if not any(failures):
+            reports = ctx.fabric.all_gather((failed, spoiled))
+            if not any(f or s for f, s in reports):
                 break
             repair: ReadPlan | Exception | None = None
             if ctx.fabric.is_coordinator:
-                repair = self._guarded(lambda p=plan, f=failures: self._replan(p, f))
+                repair = self._guarded(lambda p=plan, r=reports: self._replan(p, r))
             repair = self._agree(repair)  # R4'
             if not repair.reads:
                 break
@@ -462,15 +466,26 @@ class Restore:
                     lengths[d] = n
         return plan_reads(per_rank, lengths, self._sources, self.ctx.topology.rank_hosts)
 
-    def _replan(self, plan: ReadPlan, failures: list[list[tuple[str, list[str]]]]) -> ReadPlan:
-        """Plan the failed chunks again without the sources that failed, or say what is lost."""
+    def _replan(
+        self, plan: ReadPlan, reports: list[tuple[list[tuple[str, list[str]]], list[tuple[str, str]]]]
+    ) -> ReadPlan:
+        """Plan again the chunks that failed (without the sources that failed, or say what is lost)
+        and those that arrived spoiled (R5's ``reports``: each rank's failures and what it received
+        spoiled); these keep their sources: read again, checked, the bad copy is passed over."""
         manifest = self.manifest
         assert manifest is not None
         failed: dict[str, list[str]] = {}
-        for rank_failures in failures:
+        for rank_failures, _ in reports:
             for d, tried in rank_failures:
                 failed.setdefault(d, []).extend(tried)
-        if not failed:
+        spoiled: dict[str, list[str]] = {}
+        for _, rank_spoiled in reports:
+            for d, error in rank_spoiled:
+                if d not in failed:
+                    spoiled.setdefault(d, []).append(f"ChecksumMismatch: {error}")
+        for d, texts in spoiled.items():
+            self._tried.setdefault(d, []).extend(texts)
+        if not failed and not spoiled:
             return ReadPlan({})
         by_digest = {r.digest: r for reads in plan.reads.values() for r in reads}
         tried_sources: dict[str, set[Source]] = {}
@@ -484,10 +499,10 @@ class Restore:
             corrupt = all("ChecksumMismatch" in t for d in lost for t in self._tried[d])
             raise (ChecksumMismatch if corrupt else RestoreFailed)(self._lost_message(lost))
         per_rank: dict[int, list[str]] = {}
-        for d in failed:
+        for d in [*failed, *spoiled]:
             for c in by_digest[d].consumers:
                 per_rank.setdefault(c, []).append(d)
-        lengths = {d: by_digest[d].length for d in failed}
+        lengths = {d: by_digest[d].length for d in [*failed, *spoiled]}
         return plan_reads(per_rank, lengths, self._sources, self.ctx.topology.rank_hosts)
 
     def _lost_message(self, lost: list[str]) -> str:
@@ -530,8 +545,12 @@ class Restore:
         self._files[key] = made
         return made
 
-    def _request(self, r: ChunkRead, dest: list[memoryview]) -> tuple[ChunkRequest, list[str]]:
-        """The fetcher's request for ``r`` (the sources this rank can read), and the others, described."""
+    def _request(
+        self, r: ChunkRead, dest: list[memoryview], *, check: bool = True
+    ) -> tuple[ChunkRequest, list[str]]:
+        """The fetcher's request for ``r`` (the sources this rank can read), and the others, described.
+
+        ``check=False``: a chunk only other ranks need is sent on unchecked (they check it)."""
         sources: list[ChunkSource] = []
         unusable: list[str] = []
         for s in r.sources:
@@ -543,7 +562,9 @@ class Restore:
             sources.append(ChunkSource(file, s.offset))
         use = self._first_use.get(r.digest)
         what = f"item {use[0]!r} chunk {use[1]} ({r.digest})" if use else ""
-        return ChunkRequest(r.digest, r.length, dest, sources, what, keep=not dest), unusable
+        keep = not dest
+        request = ChunkRequest(r.digest, r.length, dest, sources, what, keep=keep, check=check or not keep)
+        return request, unusable
 
     def _read(
         self,
@@ -566,7 +587,9 @@ class Restore:
         requests: list[ChunkRequest] = []
         unusable: list[list[str]] = []
         for r in reads:
-            req, bad = self._request(r, places.get(r.digest) or [])
+            # The first reads send what only other ranks need unchecked: its receivers check it
+            # (and report it for a repair, R5). A repair's reads check everything they send.
+            req, bad = self._request(r, places.get(r.digest) or [], check=repairing or spread is None)
             requests.append(req)
             unusable.append(bad)
         t0 = time.perf_counter()

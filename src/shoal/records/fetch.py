@@ -10,6 +10,8 @@ checks its BLAKE3 digest (:func:`shoal.format.chunking.verify`, the one digest c
 then copies it into its destinations. A chunk whose read fails (missing file, short read,
 any read error) or whose digest does not match is read again from its next source, in a later
 round; every failure is recorded, and a chunk whose sources are all spent is reported lost.
+A request made with ``check=False`` (a chunk with no destination here, kept only to be sent on:
+its receivers check it) is handed back unchecked.
 
 Reads go per contiguous run: the chunks whose current source lies back to back in one file
 (pack or slab) are read with one range read (``Tier.read_range_into``,
@@ -124,6 +126,14 @@ class ChunkRequest:
     keep: bool = False
     """Hand the verified bytes back (:attr:`FetchResult.kept`): where the source lends them
     (a mapped slab or host file), the source's own bytes, with no copy; else a copy."""
+    check: bool = True
+    """Check the digest here. Only a chunk with no ``dests``, kept to be sent on, may skip it
+    (False): its receivers check it before they use a byte, and report it if it is bad (the
+    restore's first reads, where every byte a rank reads for others would be hashed twice)."""
+
+    def __post_init__(self) -> None:
+        if not self.check and self.dests:
+            raise ValueError(f"{self.describe()}: a chunk with destinations is checked where it is read")
 
     def describe(self) -> str:
         return self.what or f"chunk {self.digest}"
@@ -386,7 +396,11 @@ class Fetcher:
         result: FetchResult,
         failed: list[int],
     ) -> bool:
-        """Whether ``chunk`` (request ``i``, read from ``file`` at ``offset``) has its digest; else failed."""
+        """Whether ``chunk`` (request ``i``, read from ``file`` at ``offset``) has its digest; else failed.
+
+        A request that skips the check (``check=False``) passes."""
+        if not requests[i].check:
+            return True
         t1 = perf_counter()
         try:
             verify(chunk, requests[i].digest, partial(_what, requests[i], file, offset))  # text on a mismatch
@@ -482,6 +496,10 @@ class Fetcher:
             req = requests[i]
             chunk = view[offset - start : offset - start + req.length]
             what = partial(_what, req, file, offset)
+            if not req.check:
+                passed: Future[None] = Future()
+                passed.set_result(None)
+                return passed
             if overlap:
                 return self._check_pool().submit(verify, chunk, req.digest, what)
             done: Future[None] = Future()

@@ -278,15 +278,21 @@ def repair_across_hosts(rank: int, world: int, *, root: str) -> dict[str, Any]:
             loc = manifest.locations[d]
             flip_byte(os.path.join(ckpt.shared.url, "packs", loc.pack + ".pack"), loc.offset + 5)
         dist.barrier()
-        target = zeros_like_state(state)
-        assert ckpt.load(target, heal=False) == 1
-        assert_state_equal(target, state)
-        report = ckpt.last_load
-        assert report is not None
+        report = _load_bit_exact(ckpt, state)
         return {"repaired": report.repaired, "by_tier": dict(report.bytes_by_tier)}
 
 
-def _spoil_copies(paths: list[str], chunks: list[bytes]) -> int:
+def _load_bit_exact(ckpt: Checkpointer, state: dict[str, Any]) -> Any:
+    """Load step 1 (not healed) into zeros, compare with ``state`` bit for bit; the load's report."""
+    target = zeros_like_state(state)
+    assert ckpt.load(target, heal=False) == 1
+    assert_state_equal(target, state)
+    report = ckpt.last_load
+    assert report is not None
+    return report
+
+
+def spoil_copies(paths: list[str], chunks: list[bytes]) -> int:
     """Flip a byte of every copy of each of ``chunks`` in every file under ``paths``; how many."""
     spoiled = 0
     for top in paths:
@@ -316,21 +322,33 @@ def repair_replicated_across_hosts(rank: int, world: int, *, root: str) -> dict[
             raw = [t.numpy().tobytes() for t in state["model"].values()]
             chunk = ckpt.config.chunk_size
             pieces = [b[i : i + chunk] for b in raw for i in range(0, len(b), chunk)]
-            spoiled = _spoil_copies(
+            spoiled = spoil_copies(
                 [os.path.join(root, "dram", "test", "h0"), os.path.join(root, "local", "test", "h0"),
                  os.path.join(root, "shared")],
                 pieces,
             )  # fmt: skip
             assert spoiled >= 2 * len(pieces), spoiled  # h0's copies and the shared one
         dist.barrier()
-        target = zeros_like_state(state)
-        assert ckpt.load(target, heal=False) == 1
-        assert_state_equal(target, state)
-        report = ckpt.last_load
-        assert report is not None
+        report = _load_bit_exact(ckpt, state)
         return {
             "repaired": report.repaired,
             "by_tier": dict(report.bytes_by_tier),
             "fabric": report.fabric_bytes,
             "unique_bytes": sum(len(b) for b in (t.numpy().tobytes() for t in state["model"].values())),
         }
+
+
+def first_chunk_of_rank_zero(step: int, chunk_size: int) -> bytes:
+    """The first chunk of rank 0's first shard in checkpoint ``step`` (to find its copies on disk)."""
+    return trained_state(0, step)["shards"]["r0.s0"].numpy().tobytes()[:chunk_size]
+
+
+def load_step_one(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """Restart: load the committed step 1 (not healed), bit for bit; what the load used."""
+    with Checkpointer(group_config(root)) as ckpt:
+        target = zeros_like_state(sharded_state(rank))
+        assert ckpt.load(target, step=1, heal=False) == 1
+        assert_state_equal(target, trained_state(rank, 1))
+        report = ckpt.last_load
+        assert report is not None
+        return {"repaired": report.repaired, "by_tier": dict(report.bytes_by_tier)}
