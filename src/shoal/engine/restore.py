@@ -9,15 +9,19 @@ Collective, on the background fabric, every rank in the same order:
  R3   all-gather needs       each rank's item keys (DCP's read plan, or all): the
                              coordinator plans the reads, every rank the deliveries
  R4   broadcast read plan    who reads which chunk from where, in order
-  -   read + verify          every chunk against its BLAKE3 digest
- R5   all-gather failures    chunks whose every local source failed (none: done,
-                             no R4'); the coordinator plans them again on another
- R4'  broadcast repairs      host (or the error naming the item and every source
-                             tried); until none fail
-  -   exchange               readers send verified chunks once to every host
-                             needing them, relays spread them inside the host
-                             (:mod:`shoal.group.exchange`); receivers verify
-                             again before use
+  -   read + verify          every chunk this rank uses against its BLAKE3
+                             digest; meanwhile the exchange sends each chunk
+                             once to every host needing it as soon as it is
+                             read, relays spread it inside the host
+                             (:mod:`shoal.group.exchange`,
+                             :mod:`shoal.engine.spread`); a chunk only other
+                             ranks need goes unchecked, its receivers check
+                             it before use
+ R5   all-gather failures    chunks whose every local source failed, and those
+                             that arrived spoiled (none: done, no R4'); the
+ R4'  broadcast repairs      coordinator plans them again (or the error naming
+                             the item and every source tried); until none
+                             fail; the repaired chunks are then exchanged
  R6   all-gather stats       bytes per tier, so every rank can say what it used
 ====  =====================  =====================================================
 

@@ -3,7 +3,8 @@
 The plan (:func:`~shoal.group.exchange.plan_exchange`) says which rank sends which chunk to
 whom, in the order each reader reads its chunks. A :class:`Spread` posts every receive of this
 rank at once, straight into the chunks' destinations, before the reads start; the restore
-tells it of each chunk it has read and verified (:meth:`Spread.ready`), and it posts that
+tells it of each chunk it has read (:meth:`Spread.ready`; a chunk only other ranks need is not
+checked by its reader: its receivers check it), and it posts that
 chunk's sends as soon as every chunk before it in the plan's order has gone: the fabric carries
 one chunk while the next is read. :meth:`Spread.finish` sends what is left (in place of a chunk
 this rank failed to read, a placeholder of its length, so no receiver waits forever; its
@@ -35,7 +36,7 @@ class SpreadTotals:
 
 
 class Spread:
-    """One exchange of verified chunks over ``fabric`` (see the module).
+    """One exchange of a load's chunks over ``fabric`` (see the module).
 
     ``places[d]``: the buffers chunk ``d`` goes to on this rank (a receive lands in the first);
     ``lengths[d]``: its length; ``describe(d, how)``: the chunk, for an error message.
@@ -66,8 +67,8 @@ class Spread:
         self._receives = fabric.post_receives([(x.src, places[x.digest][0]) for x in self._incoming])
 
     def ready(self, digest: str, chunk: memoryview) -> None:
-        """This rank has read and verified ``digest`` (``chunk``: bytes that stay as they are until
-        :meth:`finish` returns); post its sends once those before it have gone."""
+        """This rank has read ``digest`` (``chunk``: bytes that stay as they are until :meth:`finish`
+        returns); post its sends once those before it have gone."""
         if digest not in self._mine:
             return
         self._ready[digest] = chunk

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import datetime
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# A chunk sent from a tier's own (read-only, mapped) bytes is wrapped as a tensor only to be sent:
+# nothing writes through it, so torch's warning that it could would only worry the user.
+warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning, __name__)
 
 _OPEN = "open"
 _CLOSED = "closed: "
