@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml src/shoal/_version.py
 demo: $(STAMP)
 	$(PY) -m shoal.demo
 
+# Two workers (pytest-xdist): many tests wait on processes of their own, so two at once keep both cores busy.
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal
 
 # ruff, mypy, then the import-layer contract in pyproject.toml ([tool.importlinter], docs/design.md section 2)
 lint: $(STAMP)

@@ -15,6 +15,10 @@ import pytest
 from shoal import failpoints
 from shoal.testing.s3 import S3Admin, moto_s3_server
 
+# The CLI sizes its tables to COLUMNS when it is set (else 200 columns off a terminal); pytest-xdist's
+# workers set it to 80, which would cut the tables the CLI tests read. The tests read full tables.
+os.environ.pop("COLUMNS", None)
+
 _FAKE_AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
