@@ -188,12 +188,42 @@ class FetchResult:
         return tried[-1].error if tried else None
 
 
-OnRead = Callable[[SourceFile, int, memoryview], None]
-"""Called with ``(file, offset, bytes)`` after each successful range read, before any check."""
 OnDelivered = Callable[[int, memoryview], None]
 """Called with ``(request index, its verified bytes)`` as each request is delivered, in the order
 they are: the bytes are its first destination's, else its kept bytes (``keep``), else a view of
 the scratch buffer that is good only during the call."""
+
+
+@dataclass
+class _Round:
+    """One :meth:`Fetcher.fetch`'s state, shared by the helpers of each pass over its requests."""
+
+    requests: Sequence[ChunkRequest]
+    at: list[int]
+    """Per request, the index of the source it is read from in this pass."""
+    result: FetchResult
+    on_delivered: OnDelivered | None
+    failed: list[int] = field(default_factory=list)
+    """The requests that failed at their source in this pass."""
+
+    def fail(self, i: int, error: Exception) -> None:
+        """Request ``i`` failed at its current source (a read error or a mismatch)."""
+        req = self.requests[i]
+        failure = Failure(req.sources[self.at[i]], error)
+        log.debug("%s: %s", req.describe(), failure.describe())
+        self.result.failures.setdefault(i, []).append(failure)
+        self.failed.append(i)
+
+    def delivered(self, i: int, chunk: memoryview) -> None:
+        """Request ``i`` is delivered (``chunk``: its bytes); tell ``on_delivered``."""
+        self.result.used[i] = self.at[i]
+        if self.on_delivered is not None:
+            req = self.requests[i]
+            self.on_delivered(i, req.dests[0] if req.dests else self.result.kept.get(i, chunk))
+
+
+OnRead = Callable[[SourceFile, int, memoryview], None]
+"""Called with ``(file, offset, bytes)`` after each successful range read, before any check."""
 
 
 class Fetcher:
@@ -230,7 +260,6 @@ class Fetcher:
         self._maps: dict[SourceFile, memoryview | Exception | None] = {}
         """The slabs mapped during one :meth:`fetch` (or why one could not be), dropped at its end."""
         self._checker: ThreadPoolExecutor | None = None
-        self._on_delivered: OnDelivered | None = None
 
     def fetch(
         self, requests: Sequence[ChunkRequest], *, on_delivered: OnDelivered | None = None
@@ -239,32 +268,31 @@ class Fetcher:
 
         ``on_delivered``: told of each request as soon as it is delivered (the restore starts
         sending a chunk to the ranks that need it while it reads the next)."""
-        self._on_delivered = on_delivered
         try:
-            return self._fetch(requests)
+            return self._fetch(requests, on_delivered)
         finally:
-            self._on_delivered = None
             self._maps.clear()  # the mappings go with their last views
             if self._checker is not None:
                 self._checker.shutdown(wait=True)
                 self._checker = None
 
-    def _fetch(self, requests: Sequence[ChunkRequest]) -> FetchResult:
+    def _fetch(self, requests: Sequence[ChunkRequest], on_delivered: OnDelivered | None) -> FetchResult:
         result = FetchResult([None] * len(requests))
-        at = [0] * len(requests)  # the source each request is read from this round
+        at = [0] * len(requests)
+        rnd = _Round(requests, at, result, on_delivered)
         pending = [i for i, r in enumerate(requests) if r.sources]
         while pending:
             by_file: dict[SourceFile, list[tuple[int, int]]] = {}
             for i in pending:
                 src = requests[i].sources[at[i]]
                 by_file.setdefault(src.file, []).append((src.offset, i))
-            failed: list[int] = []
+            rnd.failed = []
             for file, spans in by_file.items():
                 spans.sort()
                 for run in self._runs(spans, requests):
-                    self._read_run(file, run, requests, at, result, failed)
+                    self._read_run(file, run, rnd)
             pending = []
-            for i in failed:
+            for i in rnd.failed:
                 at[i] += 1
                 if at[i] < len(requests[i].sources):
                     pending.append(i)
@@ -307,16 +335,9 @@ class Fetcher:
         return memoryview(self._scratch)[:nbytes]
 
     def _read_run(
-        self,
-        file: SourceFile,
-        run: list[tuple[int, int]],
-        requests: Sequence[ChunkRequest],
-        at: list[int],
-        result: FetchResult,
-        failed: list[int],
-        *,
-        direct: bool = True,
+        self, file: SourceFile, run: list[tuple[int, int]], rnd: _Round, *, direct: bool = True
     ) -> None:
+        requests, result = rnd.requests, rnd.result
         direct = direct and self.direct
         start = run[0][0]
         last_offset, last = run[-1]
@@ -325,7 +346,7 @@ class Fetcher:
             view = self._mapped_range(file, start, last_offset + requests[last].length)
             if view is not None and self.on_read is None:
                 result.read_seconds += perf_counter() - t0
-                self._deliver_mapped(file, run, view, requests, at, result, failed)
+                self._deliver_mapped(file, run, view, rnd)
                 return
             if view is None and direct and any(self._goes_direct(requests[i]) for _, i in run):
                 result.read_seconds += perf_counter() - t0
@@ -335,11 +356,11 @@ class Fetcher:
                         rest.append((offset, i))
                         continue
                     if rest:
-                        self._read_run(file, rest, requests, at, result, failed, direct=False)
+                        self._read_run(file, rest, rnd, direct=False)
                         rest = []
-                    self._read_direct(file, offset, i, requests, at, result, failed)
+                    self._read_direct(file, offset, i, rnd)
                 if rest:
-                    self._read_run(file, rest, requests, at, result, failed, direct=False)
+                    self._read_run(file, rest, rnd, direct=False)
                 return
             if view is None:
                 view = self._buffer(last_offset + requests[last].length - start)
@@ -349,9 +370,9 @@ class Fetcher:
             if len(run) > 1:  # read them one by one: only the unreadable ones fail
                 log.debug("reading %d chunks from %s failed (%s); reading them one by one", len(run), file, e)
                 for span in run:
-                    self._read_run(file, [span], requests, at, result, failed)
+                    self._read_run(file, [span], rnd)
                 return
-            self._fail(run[0][1], requests, at, result, failed, e)
+            rnd.fail(run[0][1], e)
             return
         result.read_seconds += perf_counter() - t0
         result.reads += 1
@@ -363,7 +384,7 @@ class Fetcher:
             req = requests[i]
             pos = offset - start
             chunk = view[pos : pos + req.length]
-            if not self._checked(chunk, file, offset, i, requests, at, result, failed):
+            if not self._checked(chunk, file, offset, i, rnd):
                 continue
             t2 = perf_counter()
             for dest in req.dests:
@@ -371,75 +392,49 @@ class Fetcher:
             if req.keep:  # the scratch buffer is reused: a copy of its own (a mapped source lends it)
                 result.kept[i] = chunk if chunk.readonly else memoryview(bytes(chunk))
             result.copy_seconds += perf_counter() - t2
-            self._delivered(i, chunk, requests, at, result)
+            rnd.delivered(i, chunk)
             delivered += req.length
         if delivered:
             result.bytes_by_kind[file.kind] = result.bytes_by_kind.get(file.kind, 0) + delivered
 
-    def _delivered(
-        self, i: int, chunk: memoryview, requests: Sequence[ChunkRequest], at: list[int], result: FetchResult
-    ) -> None:
-        """Request ``i`` is delivered (``chunk``: its verified bytes); tell ``on_delivered``."""
-        result.used[i] = at[i]
-        if self._on_delivered is not None:
-            req = requests[i]
-            self._on_delivered(i, req.dests[0] if req.dests else result.kept.get(i, chunk))
-
-    def _checked(
-        self,
-        chunk: memoryview,
-        file: SourceFile,
-        offset: int,
-        i: int,
-        requests: Sequence[ChunkRequest],
-        at: list[int],
-        result: FetchResult,
-        failed: list[int],
-    ) -> bool:
+    @staticmethod
+    def _checked(chunk: memoryview, file: SourceFile, offset: int, i: int, rnd: _Round) -> bool:
         """Whether ``chunk`` (request ``i``, read from ``file`` at ``offset``) has its digest; else failed.
 
         A request that skips the check (``check=False``) passes."""
-        if not requests[i].check:
+        req = rnd.requests[i]
+        if not req.check:
             return True
         t1 = perf_counter()
         try:
-            verify(chunk, requests[i].digest, partial(_what, requests[i], file, offset))  # text on a mismatch
+            verify(chunk, req.digest, partial(_what, req, file, offset))  # text on a mismatch
         except ChecksumMismatch as e:
-            self._fail(i, requests, at, result, failed, e)
+            rnd.fail(i, e)
             return False
         finally:
-            result.verify_seconds += perf_counter() - t1
+            rnd.result.verify_seconds += perf_counter() - t1
         return True
 
     @staticmethod
     def _goes_direct(req: ChunkRequest) -> bool:
         return bool(req.dests) and req.length >= DIRECT_MIN
 
-    def _read_direct(
-        self,
-        file: SourceFile,
-        offset: int,
-        i: int,
-        requests: Sequence[ChunkRequest],
-        at: list[int],
-        result: FetchResult,
-        failed: list[int],
-    ) -> None:
+    def _read_direct(self, file: SourceFile, offset: int, i: int, rnd: _Round) -> None:
         """Read chunk ``i`` into its first destination, check it there, copy it to the others."""
-        req = requests[i]
+        req, result = rnd.requests[i], rnd.result
         first = req.dests[0]
         t0 = perf_counter()
         try:
             file.read_into(offset, first)
         except Exception as e:
             result.read_seconds += perf_counter() - t0
-            self._fail(i, requests, at, result, failed, e)
+            rnd.fail(i, e)
             return
         t1 = perf_counter()
         result.read_seconds += t1 - t0
         result.reads += 1
         result.bytes_read += req.length
-        if not self._checked(first, file, offset, i, requests, at, result, failed):
+        if not self._checked(first, file, offset, i, rnd):
             return
         t2 = perf_counter()
         for dest in req.dests[1:]:
@@ -447,7 +442,7 @@ class Fetcher:
         if req.keep:
             result.kept[i] = first
         result.copy_seconds += perf_counter() - t2
-        self._delivered(i, first, requests, at, result)
+        rnd.delivered(i, first)
         result.bytes_by_kind[file.kind] = result.bytes_by_kind.get(file.kind, 0) + req.length
 
     def _mapped_range(self, file: SourceFile, start: int, end: int) -> memoryview | None:
@@ -472,17 +467,11 @@ class Fetcher:
         return mapped[start:end]
 
     def _deliver_mapped(
-        self,
-        file: SourceFile,
-        run: list[tuple[int, int]],
-        view: memoryview,
-        requests: Sequence[ChunkRequest],
-        at: list[int],
-        result: FetchResult,
-        failed: list[int],
+        self, file: SourceFile, run: list[tuple[int, int]], view: memoryview, rnd: _Round
     ) -> None:
         """Verify each chunk of ``run`` where it lies in the mapped ``view`` and copy it into its
         destinations; the next chunk's digest is checked in the helper thread meanwhile."""
+        requests, result = rnd.requests, rnd.result
         start = run[0][0]
         result.reads += 1
         result.bytes_read += view.nbytes
@@ -524,14 +513,14 @@ class Fetcher:
             if error is not None:
                 if not isinstance(error, ChecksumMismatch):
                     raise error
-                self._fail(i, requests, at, result, failed, error)
+                rnd.fail(i, error)
                 continue
             for dest in req.dests:
                 dest[:] = chunk
             if req.keep:
                 result.kept[i] = chunk  # the source's own bytes, verified: no copy
             result.copy_seconds += perf_counter() - t2
-            self._delivered(i, chunk, requests, at, result)
+            rnd.delivered(i, chunk)
             delivered += req.length
         if delivered:
             result.bytes_by_kind[file.kind] = result.bytes_by_kind.get(file.kind, 0) + delivered
@@ -541,19 +530,6 @@ class Fetcher:
             self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-verify")
         return self._checker
 
-    @staticmethod
-    def _fail(
-        i: int,
-        requests: Sequence[ChunkRequest],
-        at: list[int],
-        result: FetchResult,
-        failed: list[int],
-        error: Exception,
-    ) -> None:
-        failure = Failure(requests[i].sources[at[i]], error)
-        log.debug("%s: %s", requests[i].describe(), failure.describe())
-        result.failures.setdefault(i, []).append(failure)
-        failed.append(i)
 
 
 def _what(req: ChunkRequest, file: SourceFile, offset: int) -> str:
